@@ -1,0 +1,300 @@
+"""The whole run as typed msgspec Structs, validated once at start.
+
+Invariants:
+- Every field has a type and a default that makes sense; unknown keys are refused.
+- Overrides (`section.key=value`) are converted to the field's type; a bad key or value is a
+  one-line ConfigError naming the key and, for unknown keys, the closest valid ones.
+- Nested dict fields (engine kwargs) stay plain dicts all the way into the engines.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+from typing import Any, Literal
+
+import msgspec
+
+
+class ConfigError(ValueError):
+    """A one-line, user-facing configuration error."""
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class DataConfig(_Section):
+    bird_dir: str = ""  # BIRD layout: train.json / dev.json + <split>_databases/
+    train_split: str = "train"
+    eval_split: str = "dev"
+    synthetic: bool = False  # build a synthetic BIRD-like task under the run dir (tiny)
+    synthetic_databases: int = 4
+    synthetic_questions: int = 400
+    synthetic_seed: int = 0
+    max_prompt_tokens: int = 4096  # prompts over this budget are dropped at load time (counted)
+    sample_values: int = 3  # sample values per column shown in the schema
+    eval_size: int = 64  # held-out prompts per periodic eval (0: the whole eval split)
+    shuffle_seed: int = 1234
+    limit: int = 0  # use only the first N training questions (0: all)
+
+
+class ModelConfig(_Section):
+    path: str = ""  # local directory or hub id; "" with source="tiny" builds one
+    source: Literal["path", "tiny"] = "path"
+    tokenizer: str = ""  # defaults to path
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+    allow_download: bool = False  # nothing is downloaded unless the user allows it
+    # Shape of the model built when source="tiny".
+    tiny_hidden_size: int = 64
+    tiny_layers: int = 2
+    tiny_heads: int = 4
+    tiny_kv_heads: int = 2
+    tiny_intermediate_size: int = 128
+    tiny_vocab_size: int = 512
+    tiny_sft_steps: int = 0  # supervised warm-start on gold SQL before RL (tiny only)
+    tiny_sft_lr: float = 3e-3
+
+
+class GeneratorConfig(_Section):
+    engine: Literal["vllm", "transformers", "simulated"] = "vllm"
+    num_engines: int = 1
+    tensor_parallel_size: int = 1
+    n_samples: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 4096
+    stop: list[str] = []
+    max_inflight_prompts: int = 64
+    gpu_memory_utilization: float = 0.5
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    sleep_level: int = 2  # 2 releases weights and KV cache (required at 32B colocated)
+    seed: int = 0
+    device: str = "auto"  # transformers engine: "cpu", "cuda" or "auto"
+    max_batch_prompts: int = 16  # transformers engine: prompts batched into one generate
+    engine_kwargs: dict[str, Any] = {}  # passed to the engine as a plain (deep-converted) dict
+    num_cpus: float = 1.0  # Ray CPU request per generator actor
+
+
+class ScorerConfig(_Section):
+    num_scorers: int = 1
+    workers: int = 8  # processes in each scorer's pool
+    timeout_s: float = 30.0  # per query, enforced inside SQLite
+    max_rows: int = 100_000  # a result over this is the verdict "too_many_rows"
+    memory_mb: int = 2048  # address-space limit per worker process
+    temp_store_mb: int = 256  # in-memory temp storage cap per connection
+    gold_cache_size: int = 4096
+    num_cpus: float = 0.25
+
+
+class AssemblerConfig(_Section):
+    normalize_std: bool = True  # divide advantages by the group std (+eps)
+    filter_zero_variance: bool = True  # drop groups whose rewards are all equal
+    replace_filtered: bool = False  # ask the coordinator for replacement prompts
+    max_staleness: int = 0  # admit groups at most this many versions old
+    micro_batch_tokens: int = 16_384  # token budget of one packed micro-batch
+    minibatches_per_step: int = 1  # optimizer steps per update epoch
+    num_cpus: float = 0.25
+
+
+class LearnerConfig(_Section):
+    zero_stage: int = 0
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    lr: float = 1e-6
+    warmup_ratio: float = 0.0
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    betas: list[float] = [0.9, 0.999]
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    update_epochs: int = 1
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    tis_cap: float = 0.0  # >0: truncated importance weight against the sampler's log-probs
+    use_liger: bool = False
+    gradient_checkpointing: bool = False
+    offload_optimizer: bool = False
+    device: str = "auto"
+    ds_config: dict[str, Any] = {}  # merged over the generated DeepSpeed config
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+
+
+class CoordinatorConfig(_Section):
+    mode: Literal["colocated", "async"] = "colocated"
+    steps: int = 100
+    prompts_per_step: int = 32
+    weight_sync: Literal["object_store", "cuda_ipc", "nccl"] = "object_store"
+    weight_bucket_mb: int = 512
+    checkpoint_every: int = 0  # 0: never (a final checkpoint is still written)
+    eval_every: int = 0  # 0: never
+    resume: bool = False
+    step_timeout_s: float = 3600.0
+    max_attempts: int = 3  # generation attempts per prompt before it is dropped as failed
+    time_budget_s: float = 0.0  # stop after this many seconds of training (0: no budget)
+    num_cpus: float = 0.25
+
+
+class ClusterConfig(_Section):
+    ray_address: str = ""  # "" -> $RAY_ADDRESS, else a local cluster
+    redis_url: str = ""  # "" -> $REDIS_URL, else an embedded redis-server
+    num_nodes: int = 1
+    gpus_per_node: int = 0
+    gpu_memory_gib: float = 80.0  # per GPU, for the --dry-run memory plan
+    num_cpus: int = 0  # local cluster CPUs (0: all)
+    dashboard_host: str = "127.0.0.1"
+    redis_persistence: bool = False  # embedded Redis with AOF (survives restarts)
+    stream_high_water: int = 4096  # publish waits while a stage's backlog is above this
+    reclaim_idle_s: float = 30.0  # messages pending this long on a consumer are reclaimed
+
+
+class LoggingConfig(_Section):
+    level: str = "info"
+    console: bool = True
+    wandb: bool = False
+    wandb_project: str = "arctic-rl"
+    wandb_entity: str = ""
+
+
+class RunConfig(_Section):
+    name: str = "run"
+    run_id: str = ""  # "" -> "<name>-<timestamp>"; streams are keyed arl:<run_id>:<stage>
+    run_root: str = "runs"
+    seed: int = 0
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    generator: GeneratorConfig = GeneratorConfig()
+    scorer: ScorerConfig = ScorerConfig()
+    assembler: AssemblerConfig = AssemblerConfig()
+    learner: LearnerConfig = LearnerConfig()
+    coordinator: CoordinatorConfig = CoordinatorConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+
+# ---------------------------------------------------------------------------------------------
+# Overrides
+
+
+def _fields(struct_type: type) -> dict[str, Any]:
+    info = msgspec.inspect.type_info(struct_type)
+    return {f.name: f for f in info.fields}
+
+
+def _all_keys(struct_type: type, prefix: str = "") -> list[str]:
+    keys = []
+    for name, f in _fields(struct_type).items():
+        full = f"{prefix}{name}"
+        keys.append(full)
+        if isinstance(f.type, msgspec.inspect.StructType):
+            keys.extend(_all_keys(f.type.cls, full + "."))
+    return keys
+
+
+def _parse_value(raw: str) -> Any:
+    """A CLI value: JSON where it parses (numbers, bools, lists, dicts), else the plain string."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        low = raw.lower()
+        if low in ("true", "false"):
+            return low == "true"
+        if low in ("none", "null"):
+            return None
+        return raw
+
+
+def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """Returns a new config with `a.b=value` overrides applied and validated."""
+    data = msgspec.to_builtins(cfg)
+    valid = _all_keys(RunConfig)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        parts = key.split(".")
+        node_type: type = RunConfig
+        node = data
+        for i, part in enumerate(parts):
+            fields = _fields(node_type)
+            if part not in fields:
+                close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
+                hint = f"; closest: {', '.join(close)}" if close else ""
+                raise ConfigError(f"unknown config key {key!r}{hint}")
+            ftype = fields[part].type
+            if i < len(parts) - 1:
+                if isinstance(ftype, msgspec.inspect.StructType):
+                    node_type, node = ftype.cls, node[part]
+                    continue
+                if isinstance(ftype, msgspec.inspect.DictType):
+                    # engine_kwargs.compilation_config.level=3 -> nested plain dicts
+                    sub = node.setdefault(part, {})
+                    for p in parts[i + 1 : -1]:
+                        sub = sub.setdefault(p, {})
+                    sub[parts[-1]] = _parse_value(raw)
+                    break
+                raise ConfigError(f"config key {'.'.join(parts[: i + 1])!r} is a value, not a section (in {key!r})")
+            if isinstance(ftype, msgspec.inspect.StructType):
+                raise ConfigError(f"config key {key!r} is a section; set one of its fields, e.g. {key}.{next(iter(_fields(ftype.cls)))}")
+            value = _parse_value(raw)
+            if isinstance(ftype, msgspec.inspect.StrType) and not isinstance(value, str):
+                value = raw  # "name=123" stays the string "123"
+            if isinstance(ftype, msgspec.inspect.ListType) and isinstance(value, str):
+                value = [v for v in value.split(",") if v]
+            node[part] = value
+    return validate(data)
+
+
+def validate(data: dict) -> RunConfig:
+    """Builtins -> RunConfig, with a one-line error naming the bad key."""
+    try:
+        cfg = msgspec.convert(data, RunConfig, strict=False)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        # msgspec says "... - at `$.learner.lr`"; turn the path into the user's dotted key.
+        if "- at `$." in msg:
+            text, path = msg.rsplit("- at `$.", 1)
+            raise ConfigError(f"config key {path.rstrip('`')!r}: {text.strip()}") from None
+        raise ConfigError(f"config: {msg}") from None
+    check(cfg)
+    return cfg
+
+
+def check(cfg: RunConfig) -> None:
+    """Cross-field rules that types alone cannot express."""
+    def need(cond: bool, key: str, why: str) -> None:
+        if not cond:
+            raise ConfigError(f"config key {key!r}: {why}")
+
+    need(cfg.generator.n_samples >= 1, "generator.n_samples", "must be >= 1")
+    need(cfg.generator.temperature >= 0, "generator.temperature", "must be >= 0")
+    need(0 < cfg.generator.top_p <= 1, "generator.top_p", "must be in (0, 1]")
+    need(cfg.generator.max_tokens >= 1, "generator.max_tokens", "must be >= 1")
+    need(cfg.generator.sleep_level in (1, 2), "generator.sleep_level", "must be 1 or 2")
+    need(cfg.learner.zero_stage in (0, 1, 2, 3), "learner.zero_stage", "must be 0, 1, 2 or 3")
+    need(len(cfg.learner.betas) == 2, "learner.betas", "needs two values, e.g. 0.9,0.95")
+    need(cfg.learner.update_epochs >= 1, "learner.update_epochs", "must be >= 1")
+    need(cfg.learner.lr > 0, "learner.lr", "must be > 0")
+    need(0 <= cfg.learner.warmup_ratio < 1, "learner.warmup_ratio", "must be in [0, 1)")
+    need(cfg.coordinator.prompts_per_step >= 1, "coordinator.prompts_per_step", "must be >= 1")
+    need(cfg.coordinator.steps >= 0, "coordinator.steps", "must be >= 0")
+    need(cfg.assembler.max_staleness >= 0, "assembler.max_staleness", "must be >= 0")
+    need(cfg.assembler.micro_batch_tokens >= 16, "assembler.micro_batch_tokens", "must be >= 16")
+    need(cfg.assembler.minibatches_per_step >= 1, "assembler.minibatches_per_step", "must be >= 1")
+    need(cfg.scorer.workers >= 1, "scorer.workers", "must be >= 1")
+    need(cfg.scorer.timeout_s > 0, "scorer.timeout_s", "must be > 0")
+    need(cfg.model.source == "tiny" or bool(cfg.model.path), "model.path", "is required (a local directory or a hub id)")
+    need(cfg.data.synthetic or bool(cfg.data.bird_dir), "data.bird_dir", "is required (the directory holding train.json / dev.json)")
+    need(cfg.coordinator.mode == "async" or cfg.assembler.max_staleness == 0,
+         "assembler.max_staleness", "must be 0 in colocated mode (generation is on-policy)")
+
+
+def to_dict(cfg: Any) -> dict:
+    """A config section as plain builtins (what engines receive)."""
+    return msgspec.to_builtins(cfg)

@@ -1,0 +1,176 @@
+"""Wire messages between the actors: msgspec Structs, msgpack-encoded, versioned.
+
+Invariants:
+- Every message carries `schema`; a decoder refuses a schema it does not know, with a one-line
+  error, instead of misreading fields.
+- Token ids travel as packed little-endian int32 bytes and per-token floats as float32 bytes,
+  never as Python lists (a 16 x 1,200-token group is ~77 KB, not ~1 MB of msgpack ints).
+- A RolloutGroup holds its prompt once (inside its PromptTask), however many samples it has.
+- One encoder and one decoder per type, built once and reused (see `codec`).
+"""
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+import numpy as np
+
+SCHEMA = 1
+
+
+class SchemaError(ValueError):
+    """A message whose schema version this code does not understand."""
+
+
+def pack_ids(ids: Any) -> bytes:
+    """Token ids (list, tuple, ndarray or tensor) -> packed int32 bytes."""
+    if hasattr(ids, "detach"):  # torch tensor, without importing torch here
+        ids = ids.detach().cpu().numpy()
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+def unpack_ids(buf: bytes) -> np.ndarray:
+    return np.frombuffer(buf, dtype="<i4")
+
+
+def pack_floats(values: Any) -> bytes:
+    if hasattr(values, "detach"):
+        values = values.detach().float().cpu().numpy()
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+def unpack_floats(buf: bytes) -> np.ndarray:
+    return np.frombuffer(buf, dtype="<f4")
+
+
+class Message(msgspec.Struct, kw_only=True, omit_defaults=False):
+    schema: int = SCHEMA
+
+
+class PromptTask(Message, kw_only=True):
+    """One prompt to sample `n` completions for, published by the coordinator."""
+
+    task_id: str  # unique per (step, slot, attempt): "<step>:<slot>:<attempt>"
+    prompt_id: str  # the dataset question id; eval tasks start with "eval:"
+    step: int  # the training step this prompt belongs to (-1 for eval)
+    policy_version: int  # the policy version current when the task was published
+    prompt_tokens: bytes  # packed int32
+    n: int
+    db_id: str = ""
+    db_path: str = ""  # absolute path of the SQLite file the SQL runs against
+    gold_sql: str = ""
+    difficulty: str = ""
+    # Per-task sampling overrides (e.g. greedy for eval): merged over the generator's config.
+    sampling: dict[str, Any] = {}
+    published_at: float = 0.0
+
+
+class Sample(msgspec.Struct, kw_only=True):
+    """One completion of a prompt."""
+
+    tokens: bytes  # packed int32, the sampled completion tokens only
+    logprobs: bytes  # packed float32, the sampler's log-prob of each sampled token
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    text: str = ""
+
+
+class RolloutGroup(Message, kw_only=True):
+    """The n completions of one PromptTask, published by a generator as soon as they finish."""
+
+    task: PromptTask
+    samples: list[Sample]
+    policy_version: int  # the weights version that actually produced the samples
+    generator_id: str = ""
+    error: str = ""  # non-empty: the task could not be generated (samples may be empty)
+    queued_at: float = 0.0  # when the generator pulled the task
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    published_at: float = 0.0
+
+
+class ScoredGroup(Message, kw_only=True):
+    """A RolloutGroup with one reward and one verdict per sample, published by a scorer."""
+
+    rollout: RolloutGroup
+    rewards: list[float]
+    verdicts: list[str]  # "match" | "wrong_result" | "sql_error" | "timeout" | "no_sql" | "too_many_rows" | "gold_failed" | "generation_error"
+    gold_failed: bool = False
+    scorer_id: str = ""
+    score_seconds: float = 0.0
+    scored_at: float = 0.0
+
+
+class TrainGroup(msgspec.Struct, kw_only=True):
+    """One prompt's samples as the learner needs them; the prompt is stored once."""
+
+    prompt_id: str
+    prompt_tokens: bytes  # packed int32
+    completions: list[bytes]  # packed int32, one per sample
+    gen_logprobs: list[bytes]  # packed float32, the sampler's log-probs, one per sample
+    advantages: list[float]  # one per sample, broadcast over its tokens
+    rewards: list[float]
+    policy_version: int
+
+
+class TrainBatch(Message, kw_only=True):
+    """Everything the learner trains on for one step, published by the assembler.
+
+    `micro_batches` is the packing plan: each micro-batch lists (group, sample) pairs whose
+    prompt+completion sequences are concatenated into one packed sequence under the learner's
+    token budget. `minibatches` groups micro-batch indices into optimizer steps.
+    """
+
+    step: int
+    policy_version: int
+    groups: list[TrainGroup]
+    micro_batches: list[list[tuple[int, int]]]
+    minibatches: list[list[int]]
+    num_tokens: int = 0
+    metrics: dict[str, float] = {}
+
+
+class Event(Message, kw_only=True):
+    """Actor -> coordinator notices: progress, drops, replacements, metrics (all scalars)."""
+
+    kind: str  # "generated" | "scored" | "dropped" | "batch_ready" | "replace" | "metrics" | "error"
+    source: str
+    step: int = -1
+    prompt_id: str = ""
+    task_id: str = ""
+    reason: str = ""
+    values: dict[str, float] = {}
+    at: float = 0.0
+
+
+T = TypeVar("T", bound=Message)
+
+
+class Codec:
+    """A reused msgpack encoder/decoder pair for one message type."""
+
+    def __init__(self, kind: type[T]):
+        self.kind = kind
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(kind)
+
+    def encode(self, msg: Message) -> bytes:
+        return self._enc.encode(msg)
+
+    def decode(self, buf: bytes):
+        try:
+            msg = self._dec.decode(buf)
+        except msgspec.ValidationError as e:
+            raise SchemaError(f"cannot decode {self.kind.__name__}: {e}") from None
+        if msg.schema != SCHEMA:
+            raise SchemaError(f"{self.kind.__name__} has schema {msg.schema}, this code reads schema {SCHEMA}")
+        return msg
+
+
+_CODECS: dict[type, Codec] = {}
+
+
+def codec(kind: type[T]) -> Codec:
+    c = _CODECS.get(kind)
+    if c is None:
+        c = _CODECS[kind] = Codec(kind)
+    return c
