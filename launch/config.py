@@ -106,7 +106,7 @@ class LearnerConfig(_Section):
     lr: float = 1e-6
     warmup_ratio: float = 0.0
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    betas: list[float] = [0.9, 0.999]
+    betas: list[float] = msgspec.field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     update_epochs: int = 1
@@ -166,15 +166,15 @@ class RunConfig(_Section):
     run_id: str = ""  # "" -> "<name>-<timestamp>"; streams are keyed arl:<run_id>:<stage>
     run_root: str = "runs"
     seed: int = 0
-    data: DataConfig = DataConfig()
-    model: ModelConfig = ModelConfig()
-    generator: GeneratorConfig = GeneratorConfig()
-    scorer: ScorerConfig = ScorerConfig()
-    assembler: AssemblerConfig = AssemblerConfig()
-    learner: LearnerConfig = LearnerConfig()
-    coordinator: CoordinatorConfig = CoordinatorConfig()
-    cluster: ClusterConfig = ClusterConfig()
-    logging: LoggingConfig = LoggingConfig()
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    generator: GeneratorConfig = msgspec.field(default_factory=GeneratorConfig)
+    scorer: ScorerConfig = msgspec.field(default_factory=ScorerConfig)
+    assembler: AssemblerConfig = msgspec.field(default_factory=AssemblerConfig)
+    learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
+    coordinator: CoordinatorConfig = msgspec.field(default_factory=CoordinatorConfig)
+    cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
+    logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,8 +245,11 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
             value = _parse_value(raw)
             if isinstance(ftype, msgspec.inspect.StrType) and not isinstance(value, str):
                 value = raw  # "name=123" stays the string "123"
-            if isinstance(ftype, msgspec.inspect.ListType) and isinstance(value, str):
-                value = [v for v in value.split(",") if v]
+            if isinstance(ftype, msgspec.inspect.ListType):
+                if isinstance(value, str):
+                    value = [_parse_value(v) for v in value.split(",") if v]
+                elif not isinstance(value, list):
+                    value = [value]
             node[part] = value
     return validate(data)
 
@@ -289,10 +292,16 @@ def check(cfg: RunConfig) -> None:
     need(cfg.assembler.minibatches_per_step >= 1, "assembler.minibatches_per_step", "must be >= 1")
     need(cfg.scorer.workers >= 1, "scorer.workers", "must be >= 1")
     need(cfg.scorer.timeout_s > 0, "scorer.timeout_s", "must be > 0")
-    need(cfg.model.source == "tiny" or bool(cfg.model.path), "model.path", "is required (a local directory or a hub id)")
-    need(cfg.data.synthetic or bool(cfg.data.bird_dir), "data.bird_dir", "is required (the directory holding train.json / dev.json)")
     need(cfg.coordinator.mode == "async" or cfg.assembler.max_staleness == 0,
          "assembler.max_staleness", "must be 0 in colocated mode (generation is on-policy)")
+
+
+def check_inputs(cfg: RunConfig) -> None:
+    """What a real run needs beyond a valid config (not needed by --dry-run or --print-config)."""
+    if cfg.model.source != "tiny" and not cfg.model.path:
+        raise ConfigError("config key 'model.path': is required (a local directory or a hub id)")
+    if not cfg.data.synthetic and not cfg.data.bird_dir:
+        raise ConfigError("config key 'data.bird_dir': is required (the directory holding train.json / dev.json)")
 
 
 def to_dict(cfg: Any) -> dict:

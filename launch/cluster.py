@@ -1,0 +1,50 @@
+"""python -m launch.cluster RECIPE [key.sub=value ...] [--print-config] [--dry-run]"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import msgspec
+
+from launch.config import ConfigError, apply_overrides
+from launch.recipes import RECIPES, get_recipe
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    recipes = "\n".join(f"  {name:<12} {(fn.__doc__ or '').strip().splitlines()[0]}" for name, fn in RECIPES.items())
+    p = argparse.ArgumentParser(
+        prog="python -m launch.cluster", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Start an arctic-rl run: a recipe plus typed overrides.",
+        epilog=f"recipes:\n{recipes}\n\nexample:\n  python -m launch.cluster bird_32b model.path=/models/qwen3-32b "
+               "data.bird_dir=/data/bird learner.lr=2e-6",
+    )
+    p.add_argument("recipe", help="one of: " + ", ".join(RECIPES))
+    p.add_argument("overrides", nargs="*", help="section.key=value, converted to the field's type")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    p.add_argument("--dry-run", action="store_true", help="print the placement and memory plan and exit")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = apply_overrides(get_recipe(args.recipe), args.overrides)
+        if args.print_config:
+            print(msgspec.json.format(msgspec.json.encode(cfg).decode(), indent=2))
+            return 0
+        if args.dry_run:
+            from launch.plan import make_plan
+
+            plan = make_plan(cfg)
+            print(plan.render())
+            return 0 if plan.fits else 1
+        from launch.run import run
+
+        return run(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

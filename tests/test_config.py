@@ -1,0 +1,88 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from launch.config import ConfigError, RunConfig, apply_overrides, check_inputs
+from launch.recipes import RECIPES, get_recipe
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_every_recipe_is_a_valid_config(name):
+    cfg = get_recipe(name)
+    assert isinstance(cfg, RunConfig)
+    apply_overrides(cfg, [])  # validates
+
+
+def test_overrides_are_converted_to_the_field_type():
+    cfg = apply_overrides(get_recipe("tiny"), ["learner.lr=2e-6", "generator.n_samples=8", "learner.betas=0.9,0.95",
+                                               "coordinator.resume=true", "name=123", "generator.stop=[\"</s>\"]"])
+    assert cfg.learner.lr == 2e-6 and isinstance(cfg.learner.lr, float)
+    assert cfg.generator.n_samples == 8
+    assert cfg.learner.betas == [0.9, 0.95]
+    assert cfg.coordinator.resume is True
+    assert cfg.name == "123"
+    assert cfg.generator.stop == ["</s>"]
+
+
+def test_recipes_do_not_share_mutable_defaults():
+    a = get_recipe("bird_32b")
+    b = get_recipe("tiny")
+    assert a.generator.tensor_parallel_size == 4 and b.generator.tensor_parallel_size == 1
+
+
+def test_nested_engine_kwargs_stay_plain_dicts():
+    cfg = apply_overrides(get_recipe("bird_32b"), ["generator.engine_kwargs.compilation_config.level=3",
+                                                   'generator.engine_kwargs.speculative_config={"num_speculative_tokens": 3}'])
+    kwargs = cfg.generator.engine_kwargs
+    assert type(kwargs) is dict and type(kwargs["compilation_config"]) is dict
+    assert kwargs == {"compilation_config": {"level": 3}, "speculative_config": {"num_speculative_tokens": 3}}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("learner.lrr=1", "unknown config key 'learner.lrr'; closest: learner.lr"),
+    ("lerner.lr=1", "unknown config key 'lerner.lr'; closest: learner.lr"),
+    ("learner.lr=fast", "config key 'learner.lr': Expected `float`, got `str`"),
+    ("generator.engine=tgi", "config key 'generator.engine': Invalid enum value 'tgi'"),
+    ("learner=3", "config key 'learner' is a section"),
+    ("learner.lr.x=3", "config key 'learner.lr' is a value, not a section"),
+    ("learner.zero_stage=5", "config key 'learner.zero_stage': must be 0, 1, 2 or 3"),
+    ("learner.betas=0.9", "config key 'learner.betas': needs two values"),
+    ("noequals", "is not of the form key=value"),
+])
+def test_bad_overrides_get_one_line_errors(override, message):
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(get_recipe("tiny"), [override])
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_real_runs_need_model_and_data_paths():
+    cfg = get_recipe("bird_32b")
+    cfg.model.path = ""
+    with pytest.raises(ConfigError, match="model.path"):
+        check_inputs(cfg)
+    with pytest.raises(ConfigError, match="data.bird_dir"):
+        check_inputs(get_recipe("bird_32b"))
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "launch.cluster", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_cli_lists_recipes_and_prints_config():
+    out = _cli("--help")
+    assert out.returncode == 0
+    for name in RECIPES:
+        assert name in out.stdout
+    printed = _cli("bird_32b", "learner.lr=3e-6", "--print-config")
+    assert printed.returncode == 0, printed.stderr
+    assert json.loads(printed.stdout)["learner"]["lr"] == 3e-6
+
+
+def test_cli_bad_key_is_one_line_and_exit_2():
+    out = _cli("tiny", "generator.n_sample=4")
+    assert out.returncode == 2
+    assert out.stderr.strip() == "error: unknown config key 'generator.n_sample'; closest: generator.n_samples, generator.stop, generator.seed"
+    assert _cli("tinyy").stderr.strip() == "error: unknown recipe 'tinyy'; did you mean tiny?"
