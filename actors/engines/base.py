@@ -1,0 +1,166 @@
+"""The inference-engine interface every generator drives, and the rules all engines share.
+
+Invariants:
+- `generate(task)` is one request for one prompt: it returns one RolloutGroup holding `n`
+  samples, each with its sampled tokens, the sampler's log-prob of every sampled token, a
+  finish reason and the decoded text (special tokens skipped). Concurrent calls are the
+  engine's business to batch; a caller never waits for another prompt's samples.
+- Sampling settings are the generator config's (temperature, top_p, top_k, max_tokens, stop,
+  n = task.n) with `task.sampling` merged over them; an unknown override key is an error that
+  names the key, never silently ignored (`resolve_sampling`).
+- Weight versions: `load_weights(named_tensors, version)` is called once per bucket and only
+  copies tensors; `finish_weight_update(version)` ends the update and is the ONE call that
+  sets the engine's policy version. A group is stamped with the version current when its
+  request started.
+- A task the engine cannot run (empty prompt, prompt too long for the model, n < 1, bad
+  override) raises `TaskError` with a one-line message; the generator turns it into an error
+  group and keeps serving.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from queues.messages import PromptTask, RolloutGroup, unpack_ids
+
+
+class TaskError(ValueError):
+    """This task cannot be generated (the message is one line, naming the field)."""
+
+
+class EngineAsleep(RuntimeError):
+    """generate() or load_weights() on an engine whose weights are released."""
+
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "stop", "n", "seed")
+
+
+@dataclass
+class SamplingSettings:
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int  # -1 or 0: no top-k
+    max_tokens: int
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def resolve_sampling(generator_cfg: Any, task: PromptTask) -> SamplingSettings:
+    """Generator config merged with the task's overrides, checked (TaskError on a bad one)."""
+    over = dict(task.sampling or {})
+    unknown = sorted(set(over) - set(SAMPLING_KEYS))
+    if unknown:
+        raise TaskError(f"task {task.task_id}: unknown sampling override(s) {unknown}; known: {list(SAMPLING_KEYS)}")
+    try:
+        s = SamplingSettings(
+            n=int(over.get("n", task.n)),
+            temperature=float(over.get("temperature", generator_cfg.temperature)),
+            top_p=float(over.get("top_p", generator_cfg.top_p)),
+            top_k=int(over.get("top_k", generator_cfg.top_k)),
+            max_tokens=int(over.get("max_tokens", generator_cfg.max_tokens)),
+            stop=list(over.get("stop", generator_cfg.stop) or []),
+            seed=None if over.get("seed") is None else int(over["seed"]),
+        )
+    except (TypeError, ValueError) as e:
+        raise TaskError(f"task {task.task_id}: bad sampling override: {e}") from None
+    if s.n < 1:
+        raise TaskError(f"task {task.task_id}: n must be >= 1, got {s.n}")
+    if s.temperature < 0:
+        raise TaskError(f"task {task.task_id}: sampling.temperature must be >= 0, got {s.temperature}")
+    if not 0 < s.top_p <= 1:
+        raise TaskError(f"task {task.task_id}: sampling.top_p must be in (0, 1], got {s.top_p}")
+    if s.max_tokens < 1:
+        raise TaskError(f"task {task.task_id}: sampling.max_tokens must be >= 1, got {s.max_tokens}")
+    if not all(isinstance(x, str) and x for x in s.stop):
+        raise TaskError(f"task {task.task_id}: sampling.stop must be non-empty strings, got {s.stop!r}")
+    return s
+
+
+def prompt_ids(task: PromptTask, max_model_len: int, vocab_size: int | None = None) -> list[int]:
+    """The task's prompt token ids, checked: non-empty, in vocabulary, and short enough to
+    leave room for at least one generated token (TaskError otherwise)."""
+    if len(task.prompt_tokens) % 4:
+        raise TaskError(f"task {task.task_id}: prompt_tokens is {len(task.prompt_tokens)} bytes, not packed int32")
+    ids = unpack_ids(task.prompt_tokens).tolist()
+    if not ids:
+        raise TaskError(f"task {task.task_id}: prompt_tokens is empty")
+    if len(ids) >= max_model_len:
+        raise TaskError(f"task {task.task_id}: prompt is {len(ids)} tokens, the model's limit is {max_model_len} "
+                        f"(max_position_embeddings) including at least one generated token")
+    if vocab_size is not None:
+        bad = [t for t in ids if t < 0 or t >= vocab_size]
+        if bad:
+            raise TaskError(f"task {task.task_id}: prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    return ids
+
+
+class Engine(abc.ABC):
+    """One inference engine. Plain class: no Ray, no Redis."""
+
+    version: int = 0
+
+    @abc.abstractmethod
+    async def generate(self, task: PromptTask) -> RolloutGroup:
+        """n samples of one prompt (raises TaskError for a task it cannot run)."""
+
+    @abc.abstractmethod
+    async def sleep(self, level: int) -> None:
+        """Releases memory: level 1 offloads weights (kept on CPU) and frees the KV cache;
+        level 2 discards weights too (a later wake(["weights"]) needs load_weights)."""
+
+    @abc.abstractmethod
+    async def wake(self, tags: list[str] | None = None) -> None:
+        """Re-allocates what sleep released; tags is a subset of ["weights", "kv_cache"], None = all."""
+
+    @abc.abstractmethod
+    async def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        """Copies one bucket of (HF parameter name, tensor) pairs into the model; does not
+        change the version (see finish_weight_update)."""
+
+    @abc.abstractmethod
+    async def finish_weight_update(self, version: int) -> None:
+        """Ends a weight update: from now on groups are stamped with `version`."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Stops every in-flight request; their groups come back with finish_reason "abort"."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, float]:
+        """Scalars only."""
+
+    async def close(self) -> None:  # optional
+        return None
+
+
+def check_wake_tags(tags: list[str] | None) -> list[str]:
+    if tags is None:
+        return ["weights", "kv_cache"]
+    bad = [t for t in tags if t not in ("weights", "kv_cache")]
+    if bad:
+        raise ValueError(f"wake tags must be a subset of ['weights', 'kv_cache'], got {bad}")
+    return list(tags)
+
+
+def make_engine(generator_cfg: Any, model_cfg: Any, model_path: str) -> Engine:
+    """The engine named by generator_cfg.engine ("vllm" | "transformers" | "simulated")."""
+    kind = generator_cfg.engine
+    if kind == "transformers":
+        from actors.engines.hf import TransformersEngine
+
+        return TransformersEngine(generator_cfg, model_cfg, model_path)
+    if kind == "vllm":
+        from actors.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(generator_cfg, model_cfg, model_path)
+    if kind == "simulated":
+        from actors.engines.simulated import SimulatedEngine
+
+        return SimulatedEngine(generator_cfg, model_cfg, model_path)
+    raise ValueError(f"generator.engine must be 'vllm', 'transformers' or 'simulated', got {kind!r}")
