@@ -1,0 +1,269 @@
+"""A deterministic, BIRD-layout synthetic text-to-SQL dataset (for tiny runs, tests, benchmarks).
+
+Invariants:
+- Same arguments, same bytes of train.json / dev.json (one seeded RNG per database and one for
+  the questions; nothing depends on time, hashing order or the filesystem).
+- The output is exactly BIRD's layout, so tasks.bird.load_split reads it with no special case:
+  <split>.json, <split>_databases/<db_id>/<db_id>.sqlite, .../database_description/<table>.csv.
+- Every gold query runs and is phrased from a small set of templates whose slots are filled with
+  values that exist in the database, so a tiny model can learn the mapping.
+
+Every domain has the same shape (an entity table, an item table, and a fact table linking them
+with a quantity and a date), so one template set serves all of them with domain words swapped in.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import shutil
+import sqlite3
+from pathlib import Path
+from typing import Iterator
+
+_FIRST = ["Ada", "Ben", "Cleo", "Dev", "Elena", "Farid", "Grace", "Hugo", "Iris", "Jon", "Kira", "Liam",
+          "Maya", "Nils", "Omar", "Pia", "Quinn", "Rosa", "Sam", "Tara", "Umar", "Vera", "Wes", "Yara", "Zane"]
+_LAST = ["Abbott", "Brooks", "Castro", "Diaz", "Evans", "Fischer", "Garcia", "Hansen", "Ito", "Jensen",
+         "Khan", "Lopez", "Moreau", "Novak", "Olsen", "Park", "Quist", "Rossi", "Silva", "Tanaka"]
+
+# Domain words: entity table (with a place and a year), item table (with a category and a number),
+# fact table (entity x item, with a quantity and a date).
+DOMAINS = [
+    dict(domain="retail",
+         entity="customers", entity_one="customer", e_id="customer_id", place="city", place_word="city",
+         places=["Oslo", "Lima", "Pune", "Kyoto", "Austin", "Porto", "Cairo", "Quito"],
+         year="signup_year", year_phrase="signed up", years=(2015, 2024), place_verb="live in",
+         item="products", item_one="product", i_id="product_id", cat="category", cat_word="category",
+         cats=["Books", "Garden", "Toys", "Kitchen", "Sports", "Music"],
+         num="price", num_word="price", num_range=(2, 400), item_words=["Lamp", "Kettle", "Ball", "Novel", "Rake", "Drum", "Puzzle", "Pan", "Racket", "Vase"],
+         fact="orders", fact_one="order", f_id="order_id", qty="quantity", qty_word="quantity ordered",
+         date="order_date", fact_verb="ordered"),
+    dict(domain="school",
+         entity="students", entity_one="student", e_id="student_id", place="hometown", place_word="hometown",
+         places=["Bergen", "Leeds", "Graz", "Turin", "Dayton", "Nantes", "Hobart", "Malmo"],
+         year="enrollment_year", year_phrase="enrolled", years=(2016, 2024), place_verb="come from",
+         item="courses", item_one="course", i_id="course_id", cat="department", cat_word="department",
+         cats=["Physics", "History", "Biology", "Art", "Economics", "Math"],
+         num="credits", num_word="credits", num_range=(1, 10), item_words=["Optics", "Genetics", "Painting", "Algebra", "Trade", "Empires", "Ecology", "Logic", "Sculpture", "Markets"],
+         fact="enrollments", fact_one="enrollment", f_id="enrollment_id", qty="score", qty_word="score",
+         date="term_start", fact_verb="took"),
+    dict(domain="library",
+         entity="members", entity_one="member", e_id="member_id", place="district", place_word="district",
+         places=["Northgate", "Riverside", "Oldtown", "Hillcrest", "Harbor", "Westfield", "Elmwood"],
+         year="join_year", year_phrase="joined", years=(2010, 2024), place_verb="live in",
+         item="books", item_one="book", i_id="book_id", cat="genre", cat_word="genre",
+         cats=["Mystery", "Poetry", "Science", "Fantasy", "Travel", "Cooking"],
+         num="pages", num_word="page count", num_range=(80, 900), item_words=["Atlas", "Saga", "Diary", "Guide", "Almanac", "Chronicle", "Primer", "Ballads", "Letters", "Tales"],
+         fact="loans", fact_one="loan", f_id="loan_id", qty="days", qty_word="loan days",
+         date="loan_date", fact_verb="borrowed"),
+    dict(domain="clinic",
+         entity="patients", entity_one="patient", e_id="patient_id", place="city", place_word="city",
+         places=["Dublin", "Perth", "Lyon", "Basel", "Denver", "Seville", "Tampere", "Cork"],
+         year="birth_year", year_phrase="were born", years=(1950, 2015), place_verb="live in",
+         item="treatments", item_one="treatment", i_id="treatment_id", cat="specialty", cat_word="specialty",
+         cats=["Cardiology", "Dermatology", "Neurology", "Oncology", "Pediatrics", "Radiology"],
+         num="cost", num_word="cost", num_range=(50, 5000), item_words=["Scan", "Therapy", "Screening", "Biopsy", "Infusion", "Checkup", "Imaging", "Consult", "Graft", "Panel"],
+         fact="visits", fact_one="visit", f_id="visit_id", qty="duration", qty_word="visit minutes",
+         date="visit_date", fact_verb="received"),
+]
+
+# (difficulty, question, gold SQL, evidence). {E}/{I}/{F}: table names; other fields from DOMAINS;
+# {v_*}: slot values drawn from the database.
+TEMPLATES = [
+    ("simple", "How many {entity} {place_verb} {v_place}?",
+     "SELECT COUNT(*) FROM {entity} WHERE {place} = '{v_place}'",
+     "{place_verb} {v_place} refers to {place} = '{v_place}'"),
+    ("simple", "List the names of {item} in the {v_cat} {cat_word}.",
+     "SELECT name FROM {item} WHERE {cat} = '{v_cat}'",
+     "{v_cat} {cat_word} refers to {cat} = '{v_cat}'"),
+    ("simple", "What is the {num_word} of the {item_one} named {v_item}?",
+     "SELECT {num} FROM {item} WHERE name = '{v_item}'",
+     "{num_word} refers to {num}"),
+    ("simple", "How many {entity} {year_phrase} after {v_year}?",
+     "SELECT COUNT(*) FROM {entity} WHERE {year} > {v_year}",
+     "{year_phrase} after {v_year} refers to {year} > {v_year}"),
+    ("moderate", "How many {fact} were made by {entity} who {place_verb} {v_place}?",
+     "SELECT COUNT(*) FROM {fact} AS T1 INNER JOIN {entity} AS T2 ON T1.{e_id} = T2.{e_id} WHERE T2.{place} = '{v_place}'",
+     "{place_verb} {v_place} refers to {place} = '{v_place}'"),
+    ("moderate", "What is the average {num_word} of {item} in the {v_cat} {cat_word}?",
+     "SELECT AVG({num}) FROM {item} WHERE {cat} = '{v_cat}'",
+     "average {num_word} = AVG({num})"),
+    ("moderate", "Which {place_word} has the most {entity}?",
+     "SELECT {place} FROM {entity} GROUP BY {place} ORDER BY COUNT(*) DESC LIMIT 1",
+     "the most {entity} refers to MAX(COUNT({e_id}))"),
+    ("moderate", "List the distinct names of {entity} who {fact_verb} {v_item}.",
+     "SELECT DISTINCT T2.name FROM {fact} AS T1 INNER JOIN {entity} AS T2 ON T1.{e_id} = T2.{e_id} "
+     "INNER JOIN {item} AS T3 ON T1.{i_id} = T3.{i_id} WHERE T3.name = '{v_item}'",
+     "{v_item} refers to {item}.name = '{v_item}'"),
+    ("challenging", "Which {cat_word} values have more than {v_n} {item}?",
+     "SELECT {cat} FROM {item} GROUP BY {cat} HAVING COUNT(*) > {v_n}",
+     "more than {v_n} {item} refers to COUNT({i_id}) > {v_n}"),
+    ("challenging", "What is the total {qty_word} of {v_cat} {item} for {entity} who {place_verb} {v_place}?",
+     "SELECT SUM(T1.{qty}) FROM {fact} AS T1 INNER JOIN {entity} AS T2 ON T1.{e_id} = T2.{e_id} "
+     "INNER JOIN {item} AS T3 ON T1.{i_id} = T3.{i_id} WHERE T3.{cat} = '{v_cat}' AND T2.{place} = '{v_place}'",
+     "total {qty_word} = SUM({qty}); {v_cat} refers to {cat} = '{v_cat}'"),
+    ("challenging", "List the names of the top {v_k} {entity} by total {qty_word}.",
+     "SELECT T2.name FROM {fact} AS T1 INNER JOIN {entity} AS T2 ON T1.{e_id} = T2.{e_id} "
+     "GROUP BY T1.{e_id} ORDER BY SUM(T1.{qty}) DESC LIMIT {v_k}",
+     "total {qty_word} = SUM({qty})"),
+    ("challenging", "In {v_fyear}, which {item_one} had the highest total {qty_word}?",
+     "SELECT T2.name FROM {fact} AS T1 INNER JOIN {item} AS T2 ON T1.{i_id} = T2.{i_id} "
+     "WHERE strftime('%Y', T1.{date}) = '{v_fyear}' GROUP BY T1.{i_id} ORDER BY SUM(T1.{qty}) DESC LIMIT 1",
+     "in {v_fyear} refers to strftime('%Y', {date}) = '{v_fyear}'; highest total {qty_word} refers to MAX(SUM({qty}))"),
+]
+
+_FACT_YEARS = (2019, 2024)
+
+
+def _domain_for(index: int) -> tuple[str, dict]:
+    d = DOMAINS[index % len(DOMAINS)]
+    rnd = index // len(DOMAINS)
+    return (d["domain"] if rnd == 0 else f"{d['domain']}_{rnd + 1}"), d
+
+
+def _build_database(path: Path, d: dict, rng: random.Random, scale: int) -> dict:
+    """Writes one SQLite database and returns the values the question slots draw from."""
+    n_entity, n_item, n_fact = 120 * scale, 40 + 10 * scale, 1500 * scale
+    entities = [(i + 1, f"{rng.choice(_FIRST)} {rng.choice(_LAST)}", rng.choice(d["places"]),
+                 rng.randint(*d["years"])) for i in range(n_entity)]
+    combos = [f"{last} {word}" for last in _LAST for word in d["item_words"]]
+    rng.shuffle(combos)  # unique names, so "the product named X" is one row
+    item_names = [combos[i % len(combos)] + (f" {i // len(combos) + 1}" if i >= len(combos) else "")
+                  for i in range(n_item)]
+    lo, hi = d["num_range"]
+    items = [(i + 1, item_names[i], rng.choice(d["cats"]),
+              round(rng.uniform(lo, hi), 2) if d["num"] in ("price", "cost") else rng.randint(lo, hi))
+             for i in range(n_item)]
+    facts = []
+    for i in range(n_fact):
+        y, m, day = rng.randint(*_FACT_YEARS), rng.randint(1, 12), rng.randint(1, 28)
+        facts.append((i + 1, rng.randint(1, n_entity), rng.randint(1, n_item), rng.randint(1, 20), f"{y:04d}-{m:02d}-{day:02d}"))
+    num_type = "REAL" if d["num"] in ("price", "cost") else "INTEGER"
+    if path.exists():
+        path.unlink()
+    conn = sqlite3.connect(path)
+    conn.executescript(f"""
+        CREATE TABLE {d['entity']} ({d['e_id']} INTEGER PRIMARY KEY, name TEXT NOT NULL,
+            {d['place']} TEXT, {d['year']} INTEGER);
+        CREATE TABLE {d['item']} ({d['i_id']} INTEGER PRIMARY KEY, name TEXT NOT NULL,
+            {d['cat']} TEXT, {d['num']} {num_type});
+        CREATE TABLE {d['fact']} ({d['f_id']} INTEGER PRIMARY KEY,
+            {d['e_id']} INTEGER REFERENCES {d['entity']}({d['e_id']}),
+            {d['i_id']} INTEGER REFERENCES {d['item']}({d['i_id']}),
+            {d['qty']} INTEGER, {d['date']} TEXT);
+        CREATE INDEX idx_{d['fact']}_{d['e_id']} ON {d['fact']}({d['e_id']});
+    """)
+    conn.executemany(f"INSERT INTO {d['entity']} VALUES (?, ?, ?, ?)", entities)
+    conn.executemany(f"INSERT INTO {d['item']} VALUES (?, ?, ?, ?)", items)
+    conn.executemany(f"INSERT INTO {d['fact']} VALUES (?, ?, ?, ?, ?)", facts)
+    conn.commit()
+    conn.close()
+    return {"places": sorted({e[2] for e in entities}), "cats": sorted({it[2] for it in items}),
+            "items": [it[1] for it in items], "years": sorted({e[3] for e in entities})}
+
+
+def _write_descriptions(db_dir: Path, d: dict) -> None:
+    """BIRD's database_description/<table>.csv, with BIRD's BOM."""
+    desc_dir = db_dir / "database_description"
+    desc_dir.mkdir(parents=True, exist_ok=True)
+    tables = {
+        d["entity"]: [(d["e_id"], f"{d['entity_one']} id", "unique id of the " + d["entity_one"], "integer", ""),
+                      ("name", f"{d['entity_one']} name", f"full name of the {d['entity_one']}", "text", ""),
+                      (d["place"], d["place_word"], f"the {d['place_word']} of the {d['entity_one']}", "text", ""),
+                      (d["year"], d["year"].replace("_", " "), f"the year the {d['entity_one']} {d['year_phrase']}", "integer", "")],
+        d["item"]: [(d["i_id"], f"{d['item_one']} id", "unique id of the " + d["item_one"], "integer", ""),
+                    ("name", f"{d['item_one']} name", f"name of the {d['item_one']}", "text", ""),
+                    (d["cat"], d["cat_word"], f"the {d['cat_word']} of the {d['item_one']}", "text",
+                     "one of: " + ", ".join(d["cats"])),
+                    (d["num"], d["num_word"], f"the {d['num_word']} of the {d['item_one']}", "real" if d["num"] in ("price", "cost") else "integer", "")],
+        d["fact"]: [(d["f_id"], f"{d['fact_one']} id", "unique id of the " + d["fact_one"], "integer", ""),
+                    (d["e_id"], f"{d['entity_one']} id", f"the {d['entity_one']} of the {d['fact_one']}", "integer", ""),
+                    (d["i_id"], f"{d['item_one']} id", f"the {d['item_one']} of the {d['fact_one']}", "integer", ""),
+                    (d["qty"], d["qty_word"], f"the {d['qty_word']}", "integer", ""),
+                    (d["date"], d["date"].replace("_", " "), f"the date of the {d['fact_one']}", "date", "YYYY-MM-DD")],
+    }
+    for table, rows in tables.items():
+        with open(desc_dir / f"{table}.csv", "w", encoding="utf-8-sig", newline="") as f:
+            w = csv.writer(f, lineterminator="\n")
+            w.writerow(["original_column_name", "column_name", "column_description", "data_format", "value_description"])
+            w.writerows(rows)
+
+
+def _question(template, d: dict, values: dict, rng: random.Random) -> dict:
+    difficulty, q, sql, evidence = template
+    slots = dict(d)
+    slots.update(v_place=rng.choice(values["places"]), v_cat=rng.choice(values["cats"]),
+                 v_item=rng.choice(values["items"]), v_year=rng.choice(values["years"][:-1] or values["years"]),
+                 v_n=rng.choice([5, 6, 7, 8]), v_k=rng.choice([3, 5]), v_fyear=rng.randint(*_FACT_YEARS))
+    return {"db_id": "", "question": q.format(**slots), "evidence": evidence.format(**slots),
+            "SQL": sql.format(**slots), "difficulty": difficulty}
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    if dst.exists():
+        dst.unlink()
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def write_dataset(out_dir, num_databases: int = 4, num_questions: int = 400, seed: int = 0,
+                  dev_fraction: float = 0.2, scale: int = 1) -> Path:
+    """Writes train.json, dev.json and both splits' databases under out_dir; returns out_dir."""
+    if num_databases < 1 or num_questions < 2 or not 0 < dev_fraction < 1 or scale < 1:
+        raise ValueError(f"write_dataset: need num_databases>=1, num_questions>=2, 0<dev_fraction<1, scale>=1 "
+                         f"(got {num_databases}, {num_questions}, {dev_fraction}, {scale})")
+    out = Path(out_dir)
+    build = out / "_build"
+    build.mkdir(parents=True, exist_ok=True)
+    dbs = []
+    for i in range(num_databases):
+        db_id, d = _domain_for(i)
+        path = build / f"{db_id}.sqlite"
+        values = _build_database(path, d, random.Random(f"{seed}:{i}"), scale)
+        dbs.append((db_id, d, path, values))
+    rng = random.Random(f"{seed}:questions")
+    questions = []
+    for k in range(num_questions):
+        db_id, d, _, values = dbs[k % len(dbs)]
+        q = _question(TEMPLATES[rng.randrange(len(TEMPLATES))], d, values, rng)
+        q["db_id"] = db_id
+        questions.append(q)
+    rng.shuffle(questions)
+    n_dev = max(1, round(num_questions * dev_fraction))
+    splits = {"dev": questions[:n_dev], "train": questions[n_dev:]}
+    for split, qs in splits.items():
+        rows = [{"question_id": i, "db_id": q["db_id"], "question": q["question"], "evidence": q["evidence"],
+                 "SQL": q["SQL"], "difficulty": q["difficulty"]} for i, q in enumerate(qs)]
+        (out / f"{split}.json").write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
+        for db_id, d, path, _ in dbs:
+            db_dir = out / f"{split}_databases" / db_id
+            db_dir.mkdir(parents=True, exist_ok=True)
+            _link_or_copy(path, db_dir / f"{db_id}.sqlite")
+            _write_descriptions(db_dir, d)
+    shutil.rmtree(build, ignore_errors=True)
+    return out
+
+
+def texts_for_tokenizer(out_dir) -> Iterator[str]:
+    """Questions, evidence, gold SQL and schema text of a written dataset (tokenizer training)."""
+    from policies.prompt import schema_compact, schema_ddl
+    from tasks.bird import load_split, read_schema
+
+    out = Path(out_dir)
+    seen_dbs: set[str] = set()
+    for split in ("train", "dev"):
+        if not (out / f"{split}.json").exists():
+            continue
+        for q in load_split(out, split):
+            yield q.question
+            if q.evidence:
+                yield q.evidence
+            yield q.sql
+            if q.db_path not in seen_dbs:
+                seen_dbs.add(q.db_path)
+                schema = read_schema(q.db_path)
+                yield schema_ddl(schema, 3)
+                yield schema_compact(schema)
