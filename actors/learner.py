@@ -1,0 +1,599 @@
+"""The learner: a DeepSpeed engine over a transformers causal LM, trained with GRPO on TrainBatches.
+
+Invariants:
+- Old log-probs are computed once per batch (no grad, same packing, same kernels as the update
+  pass), before any optimizer step, so every update epoch clips against the same policy. The
+  first update from the generator's own weights sees ratio 1, ppo_kl 0, clipfrac 0 exactly.
+- Micro-batches are packed rows of whole samples under a token budget (policies/packing.py);
+  nothing is padded to [B, max prompt + max response]. Attention never crosses samples.
+- Gradient accumulation over a minibatch's micro-batches equals one big batch: each micro-batch
+  loss is normalised by the minibatch's total valid tokens (or sequences), and the optimizer
+  steps once per minibatch (the accumulation boundary is driven here, not by DeepSpeed's GAS).
+- The learner divides logits by the sampler's temperature, so its log-probs and the sampler's
+  are of the same distribution.
+- Every returned metric is a python float (grad_norm included), reduced across ranks.
+
+`Learner` is a plain class (importable and testable without Ray); `LearnerActor` at the bottom
+is the thin Ray shell the coordinator talks to.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import socket
+import time
+from contextlib import nullcontext
+from typing import Any, Iterator, Sequence
+
+import structlog
+import torch
+
+from launch.config import LearnerConfig, ModelConfig
+from policies.grpo import policy_loss
+from policies.packing import PackedBatch, pack, plan_micro_batches
+from queues.messages import TrainBatch, unpack_floats, unpack_ids
+
+log = structlog.get_logger("arctic_rl.learner")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_process_group(device: torch.device) -> None:
+    """DeepSpeed needs a process group; a single process gets a world of one (gloo on CPU)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
+                          WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def _skip_cpu_shm_comm_build() -> None:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (~30 s) on first init.
+
+    It only speeds up all-reduce between ranks of one host (deepspeed/comm/torch.py:build_shm_op
+    consults `deepspeed.ops.__compatible_ops__`); a world of one never all-reduces, so mark the
+    op incompatible there. Multi-rank CPU runs keep it, and build it once into .cache/.
+    """
+    import deepspeed.ops
+    import torch.distributed as dist
+
+    if dist.get_world_size() == 1:
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    else:
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(repo, ".cache", "torch_extensions"))
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
+    """Multiplier of the base lr at training step s (one step per train_step)."""
+    def f(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        span = max(1, total_steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / span)
+        if schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        if schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        raise ValueError(f"unknown lr_schedule {schedule!r}")
+    return f
+
+
+class _LogProbHead(torch.nn.Module):
+    """Model + log-prob head in one module, so ZeRO-3 gathers lm_head inside a forward.
+
+    Plain path: full logits / temperature -> log_softmax -> gather (and entropy when asked).
+    Liger path (GPU): fused linear cross-entropy over hidden / temperature, full logits never
+    materialised (lm_head has no bias in Qwen3, so (h / T) W^T == (h W^T) / T).
+    """
+
+    def __init__(self, model: torch.nn.Module, temperature: float, use_liger: bool):
+        super().__init__()
+        self.model = model
+        self.temperature = float(temperature)
+        self.flce = None
+        if use_liger:
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # GPU-only dependency
+
+            self.flce = LigerFusedLinearCrossEntropyLoss(reduction="none")
+
+    def forward(self, input_ids, position_ids, target_ids, attention_mask=None, with_entropy: bool = False,
+                temperature: float | None = None):
+        temp = self.temperature if temperature is None else temperature
+        if self.flce is not None and not with_entropy:
+            hidden = self.model.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                                      use_cache=False).last_hidden_state
+            h = hidden.reshape(-1, hidden.shape[-1]) / temp
+            lp = -self.flce(self.model.lm_head.weight, h, target_ids.reshape(-1))
+            return lp.view(target_ids.shape).float(), None
+        logits = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                            use_cache=False).logits
+        logits = logits.float() / temp
+        logp = torch.log_softmax(logits, dim=-1)
+        lp = logp.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
+        entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
+        return lp, entropy
+
+
+class Learner:
+    """DeepSpeed GRPO learner. See the module docstring for what it guarantees."""
+
+    def __init__(self, learner_cfg: LearnerConfig, model_cfg: ModelConfig, model_path: str, total_steps: int,
+                 micro_batch_tokens: int, temperature: float = 1.0):
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = learner_cfg
+        self.model_cfg = model_cfg
+        self.model_path = model_path
+        self.total_steps = max(1, int(total_steps))
+        self.micro_batch_tokens = int(micro_batch_tokens)
+        self.temperature = float(temperature) if temperature and temperature > 0 else 1.0
+        dev = learner_cfg.device
+        if dev == "auto":
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(dev)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(self.device)
+        self.dtype = _DTYPES[learner_cfg.dtype]
+        self.attn_implementation = model_cfg.attn_implementation
+        self.use_liger = bool(learner_cfg.use_liger) and self.device.type == "cuda"
+        if learner_cfg.use_liger and not self.use_liger:
+            log.info("learner.logprob_path", path="torch", reason="use_liger needs a CUDA device; plain log_softmax on CPU")
+        else:
+            log.info("learner.logprob_path", path="liger-fused-linear-ce" if self.use_liger else "torch")
+
+        ensure_process_group(self.device)
+        _skip_cpu_shm_comm_build()
+        import torch.distributed as dist
+
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.ds_config = self._ds_config()
+
+        # ZeRO-3: transformers builds the model under zero.Init (partitioned while loading) as long
+        # as this object is alive.
+        # ZeRO-3 without accelerate (not installed here): each rank loads the full model and
+        # deepspeed.initialize partitions it; fine for small models, not for 32B on one host.
+        self._hf_ds_config = None
+        if learner_cfg.zero_stage == 3:
+            try:
+                from transformers.integrations import HfDeepSpeedConfig
+
+                self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
+            except ImportError as e:
+                log.warning("learner.zero3_full_load", reason=str(e).splitlines()[0][:120])
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype,
+                                                     attn_implementation=self.attn_implementation,
+                                                     trust_remote_code=model_cfg.trust_remote_code)
+        model.config.use_cache = False
+        if learner_cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()  # Qwen3 has no dropout by default; train mode == eval mode numerically
+        self.head = _LogProbHead(model, self.temperature, self.use_liger)
+        if learner_cfg.zero_stage == 3:
+            deepspeed.zero.register_external_parameter(self.head, model.lm_head.weight)
+
+        params = [p for p in self.head.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=learner_cfg.lr, betas=tuple(learner_cfg.betas),
+                                      weight_decay=learner_cfg.weight_decay)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=self.head, optimizer=optimizer,
+                                                                 config=self.ds_config)
+        warmup = int(math.ceil(learner_cfg.warmup_ratio * self.total_steps))
+        # Scheduled per train_step here (not by DeepSpeed per micro-step); saved with the checkpoint.
+        # On the torch optimizer itself: DeepSpeed's ZeRO wrappers share its param_groups.
+        self.torch_optimizer = optimizer
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_lambda(learner_cfg.lr_schedule, warmup, self.total_steps))
+        self.step = 0
+        self.ref_model = self._build_ref_model() if learner_cfg.kl_coef > 0 else None
+        self.asleep = False
+        log.info("learner.ready", zero_stage=learner_cfg.zero_stage, dtype=learner_cfg.dtype, device=str(self.device),
+                 world_size=self.world_size, attn=self.attn_implementation, temperature=self.temperature)
+
+    # ------------------------------------------------------------------ setup
+
+    def _ds_config(self) -> dict[str, Any]:
+        c = self.cfg
+        zero: dict[str, Any] = {"stage": c.zero_stage}
+        if c.zero_stage == 3:
+            zero["stage3_gather_16bit_weights_on_model_save"] = True
+        ds: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": 1,
+            # The accumulation boundary is set per minibatch in train_step; losses arrive already
+            # normalised by the minibatch's token count, so DeepSpeed must not rescale them.
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": float(c.grad_clip) if c.grad_clip > 0 else 0.0,
+            "zero_optimization": zero,
+            "steps_per_print": 10**12,
+            "wall_clock_breakdown": False,
+        }
+        if c.dtype == "bfloat16":
+            ds["bf16"] = {"enabled": True}
+        return _deep_merge(ds, dict(c.ds_config))
+
+    def _build_ref_model(self):
+        """Frozen copy of the starting weights for the KL term (not sharded; fine up to a few B)."""
+        from transformers import AutoModelForCausalLM
+
+        ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype,
+                                                   attn_implementation=self.attn_implementation,
+                                                   trust_remote_code=self.model_cfg.trust_remote_code)
+        ref.config.use_cache = False
+        ref.requires_grad_(False)
+        return _LogProbHead(ref, self.temperature, self.use_liger).to(self.device).eval()
+
+    # ------------------------------------------------------------------ forward helpers
+
+    def _forward(self, mb: PackedBatch, module=None, with_entropy: bool = False, temperature: float | None = None):
+        module = self.engine if module is None else module
+        mask = mb.attention_mask(self.attn_implementation, self.dtype)
+        return module(mb.input_ids, mb.position_ids, mb.target_ids, attention_mask=mask,
+                      with_entropy=with_entropy, temperature=temperature)
+
+    def _materialise(self, batch: TrainBatch) -> list[dict[str, Any]]:
+        """TrainBatch -> per micro-batch: the packed row and its per-position tensors, on device."""
+        groups = batch.groups
+        prompts = [torch.from_numpy(unpack_ids(g.prompt_tokens).astype("int64")) for g in groups]
+        seen: set[tuple[int, int]] = set()
+        out = []
+        for m, plan in enumerate(batch.micro_batches):
+            seqs, adv, gen = [], [], []
+            for g, s in plan:
+                if not (0 <= g < len(groups)) or not (0 <= s < len(groups[g].completions)):
+                    raise ValueError(f"TrainBatch.micro_batches[{m}] names (group {g}, sample {s}), which does not exist")
+                if (g, s) in seen:
+                    raise ValueError(f"TrainBatch.micro_batches: (group {g}, sample {s}) appears twice")
+                seen.add((g, s))
+                grp = groups[g]
+                comp = torch.from_numpy(unpack_ids(grp.completions[s]).astype("int64"))
+                glp = torch.from_numpy(unpack_floats(grp.gen_logprobs[s]).copy()) if grp.gen_logprobs else None
+                if glp is not None and len(glp) != len(comp):
+                    raise ValueError(f"TrainBatch.groups[{g}].gen_logprobs[{s}] has {len(glp)} values for "
+                                     f"{len(comp)} completion tokens")
+                seqs.append((prompts[g], comp))
+                adv.append(float(grp.advantages[s]))
+                gen.append(glp)
+            pb = pack(seqs)
+            item = {"packed": pb.to(self.device), "advantages": pb.scatter_per_sample(adv).to(self.device),
+                    "gen_logprobs": None}
+            if self.cfg.tis_cap > 0 and all(x is not None for x in gen):
+                item["gen_logprobs"] = pb.scatter(gen).to(self.device)
+            out.append(item)
+        for k, mbatch in enumerate(batch.minibatches):
+            for i in mbatch:
+                if not 0 <= i < len(out):
+                    raise ValueError(f"TrainBatch.minibatches[{k}] names micro-batch {i}; there are {len(out)}")
+        listed = sorted(i for mbatch in batch.minibatches for i in mbatch)
+        if listed != list(range(len(out))):
+            raise ValueError("TrainBatch.minibatches must list every micro-batch exactly once")
+        return out
+
+    def _normalizer(self, items: Sequence[dict[str, Any]]) -> float:
+        if self.cfg.loss_agg == "token-mean":
+            return float(max(1, sum(it["packed"].num_loss_tokens for it in items)))
+        return float(max(1, sum(it["packed"].num_samples for it in items)))
+
+    def _reduce(self, values: dict[str, float], op: str = "mean") -> dict[str, float]:
+        if self.world_size == 1 or not values:
+            return values
+        import torch.distributed as dist
+
+        keys = sorted(values)
+        t = torch.tensor([values[k] for k in keys], dtype=torch.float64,
+                         device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(t)
+        if op == "mean":
+            t /= self.world_size
+        return {k: float(v) for k, v in zip(keys, t.tolist())}
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """Old log-probs once, then update_epochs passes over the minibatches; one lr step."""
+        if self.asleep:
+            self.wake()
+        t0 = time.perf_counter()
+        items = self._materialise(batch)
+        if not items:
+            raise ValueError(f"TrainBatch for step {batch.step} has no micro-batches")
+        c = self.cfg
+        with torch.no_grad():
+            for it in items:
+                it["old_logprobs"], _ = self._forward(it["packed"])
+                if self.ref_model is not None:
+                    it["ref_logprobs"], _ = self._forward(it["packed"], module=self.ref_model)
+        t_old = time.perf_counter() - t0
+
+        sums: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        per_epoch: list[dict[str, float]] = []
+        grad_norms: list[float] = []
+        ratio_max = 0.0
+        tokens_fwd = 0
+
+        for epoch in range(c.update_epochs):
+            ep_sums: dict[str, float] = {}
+            ep_w: dict[str, float] = {}
+            for minibatch in batch.minibatches:
+                mb_items = [items[i] for i in minibatch]
+                norm = self._normalizer(mb_items)
+                for j, it in enumerate(mb_items):
+                    pb: PackedBatch = it["packed"]
+                    self.engine.set_gradient_accumulation_boundary(j == len(mb_items) - 1)
+                    lp, ent = self._forward(pb, with_entropy=c.entropy_coef > 0)
+                    loss, m = policy_loss(
+                        lp, it["old_logprobs"], it["advantages"], pb.loss_mask, clip_low=c.clip_low,
+                        clip_high=c.clip_high, agg=c.loss_agg, ref_logprobs=it.get("ref_logprobs"),
+                        kl_coef=c.kl_coef, entropy=ent, entropy_coef=c.entropy_coef,
+                        gen_logprobs=it["gen_logprobs"], tis_cap=c.tis_cap, seq_ids=pb.sample_index,
+                        normalizer=norm)
+                    self.engine.backward(loss)
+                    tokens_fwd += pb.num_tokens
+                    w = m.pop("num_tokens")
+                    ratio_max = max(ratio_max, m.pop("ratio_max"))
+                    m.pop("ratio_min", None)
+                    m["loss"] = float(loss.detach()) * norm / max(w, 1.0)  # this micro-batch's own mean
+                    for k, v in m.items():
+                        for acc, wacc in ((sums, weights), (ep_sums, ep_w)):
+                            acc[k] = acc.get(k, 0.0) + v * w
+                            wacc[k] = wacc.get(k, 0.0) + w
+                grad_norms.append(self._optimizer_step())
+            per_epoch.append({k: ep_sums[k] / ep_w[k] if ep_w[k] else 0.0 for k in ep_sums})
+        self.scheduler.step()
+        self.step += 1
+        elapsed = time.perf_counter() - t0
+
+        metrics = {k: sums[k] / weights[k] if weights[k] else 0.0 for k in sums}
+        metrics = self._reduce(metrics)
+        if c.update_epochs > 1:
+            for e, em in enumerate(per_epoch):
+                em = self._reduce(em)
+                for k in ("ratio_mean", "ppo_kl", "clipfrac", "pg_loss"):
+                    if k in em:
+                        metrics[f"epoch{e}/{k}"] = em[k]
+        n_loss = float(sum(it["packed"].num_loss_tokens for it in items))
+        n_tokens = float(sum(it["packed"].num_tokens for it in items))
+        totals = self._reduce({"num_loss_tokens": n_loss, "num_tokens": n_tokens,
+                               "tokens_fwd": float(tokens_fwd)}, op="sum")
+        metrics.update(
+            ratio_max=self._reduce({"r": ratio_max}, op="mean")["r"] if self.world_size > 1 else ratio_max,
+            grad_norm=float(sum(grad_norms) / len(grad_norms)),
+            grad_norm_max=float(max(grad_norms)),
+            lr=float(self.scheduler.get_last_lr()[0]),
+            optimizer_steps=float(len(grad_norms)),
+            micro_batches=float(len(items)),
+            num_loss_tokens=totals["num_loss_tokens"],
+            num_tokens=totals["num_tokens"],
+            old_logprob_s=float(t_old),
+            step_s=float(elapsed),
+            tokens_per_s=float(totals["tokens_fwd"] / max(elapsed - t_old, 1e-9)),
+            step=float(self.step),
+        )
+        return metrics
+
+    def _optimizer_step(self) -> float:
+        """engine.step() at the accumulation boundary; returns the pre-clip global grad norm."""
+        own = None
+        if type(self.engine.optimizer) is torch.optim.AdamW:
+            # Unwrapped optimizer (ZeRO 0, fp32): DeepSpeed clips but does not report the norm.
+            # Gradients are already all-reduced at the boundary, so this norm is global.
+            grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+            own = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        self.engine.step()
+        gn = self.engine.get_global_grad_norm() if own is None else own
+        if isinstance(gn, torch.Tensor):
+            gn = gn.item()
+        return float(gn) if gn is not None else float("nan")
+
+    def sft_step(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], lr: float | None = None) -> float:
+        """One optimizer step of cross-entropy on the target tokens (temperature 1). Returns the loss."""
+        if self.asleep:
+            self.wake()
+        if not pairs:
+            raise ValueError("sft_step needs at least one (prompt, target) pair")
+        plan = plan_micro_batches([len(p) + len(t) for p, t in pairs], self.micro_batch_tokens)
+        packed = [pack([pairs[i] for i in mb]).to(self.device) for mb in plan]
+        total = float(sum(pb.num_loss_tokens for pb in packed))
+        old_lrs = [g["lr"] for g in self.torch_optimizer.param_groups]
+        if lr is not None:
+            for g in self.torch_optimizer.param_groups:
+                g["lr"] = lr
+        loss_sum = 0.0
+        try:
+            for j, pb in enumerate(packed):
+                self.engine.set_gradient_accumulation_boundary(j == len(packed) - 1)
+                lp, _ = self._forward(pb, temperature=1.0)
+                loss = -(lp * pb.loss_mask).sum() / max(total, 1.0)
+                self.engine.backward(loss)
+                loss_sum += float(loss.detach())
+            self._optimizer_step()
+        finally:
+            for g, v in zip(self.torch_optimizer.param_groups, old_lrs):
+                g["lr"] = v
+        return float(self._reduce({"loss": loss_sum})["loss"])
+
+    def logprobs(self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[torch.Tensor]:
+        """Per-completion-token log-probs under the current weights (temperature applied)."""
+        with torch.no_grad():
+            plan = plan_micro_batches([len(p) + len(c) for p, c in sequences], self.micro_batch_tokens)
+            by_index: dict[int, torch.Tensor] = {}
+            for mb in plan:
+                pb = pack([sequences[i] for i in mb]).to(self.device)
+                lp, _ = self._forward(pb)
+                for i, v in zip(mb, pb.unpack(lp)):
+                    by_index[i] = v.cpu()
+            out = [by_index[i] for i in range(len(sequences))]
+        return out
+
+    # ------------------------------------------------------------------ weights and checkpoints
+
+    def _gathered(self, params: list[torch.nn.Parameter]):
+        if self.cfg.zero_stage == 3:
+            import deepspeed
+
+            return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        return nullcontext()
+
+    def export_weights(self, bucket_mb: int = 512, device: str = "cpu") -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """HF-named tensors in buckets of about `bucket_mb`, gathered module by module under ZeRO-3.
+
+        Tied weights appear once (under their first name, as named_parameters gives them).
+        """
+        limit = max(1, int(bucket_mb)) * 2**20
+        model = self.engine.module.model
+        seen: set[int] = set()
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for mod_name, module in model.named_modules():
+            own = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+            if not own:
+                continue
+            with self._gathered([p for _, p in own]):
+                for n, p in own:
+                    seen.add(id(p))
+                    t = p.detach().to(device=device, dtype=self.dtype, copy=True)
+                    bucket.append((f"{mod_name}.{n}" if mod_name else n, t))
+                    size += t.numel() * t.element_size()
+            if size >= limit:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
+
+    def state_dict_hf(self) -> dict[str, torch.Tensor]:
+        """All weights, HF-named, on CPU (small models and tests)."""
+        return {n: t for bucket in self.export_weights(bucket_mb=1 << 20) for n, t in bucket}
+
+    def save(self, path: str) -> str:
+        """DeepSpeed checkpoint (model, optimizer) plus scheduler and step. Returns the directory."""
+        os.makedirs(path, exist_ok=True)
+        self.engine.save_checkpoint(path, tag="learner", client_state={
+            "learner_step": self.step, "scheduler": self.scheduler.state_dict()})
+        return path
+
+    def load(self, path: str) -> int:
+        """Restores what `save` wrote; returns the training step it resumes at."""
+        load_path, client = self.engine.load_checkpoint(path, tag="learner", load_optimizer_states=True,
+                                                        load_lr_scheduler_states=False)
+        if load_path is None:
+            raise FileNotFoundError(f"no learner checkpoint under {path!r}")
+        self.scheduler.load_state_dict(client["scheduler"])
+        self.step = int(client["learner_step"])
+        return self.step
+
+    def export_hf(self, path: str) -> str:
+        """save_pretrained of the current weights (what a server loads), plus the tokenizer files."""
+        os.makedirs(path, exist_ok=True)
+        model = self.engine.module.model
+        if self.cfg.zero_stage == 3:
+            state = self.engine._zero3_consolidated_16bit_state_dict()
+            prefix = "model."
+            state = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
+            if self.rank == 0:
+                model.save_pretrained(path, state_dict=state)
+        elif self.rank == 0:
+            model.save_pretrained(path)
+        if self.rank == 0 and os.path.isdir(self.model_path):
+            for name in os.listdir(self.model_path):
+                if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")) or name == "generation_config.json":
+                    shutil.copy2(os.path.join(self.model_path, name), os.path.join(path, name))
+        return path
+
+    # ------------------------------------------------------------------ colocation
+
+    def sleep(self) -> None:
+        """Frees accelerator memory between steps: optimizer states offloaded where configured."""
+        if self.device.type == "cuda":
+            if self.cfg.offload_optimizer:
+                self.engine.offload_states()
+            torch.cuda.empty_cache()
+        self.asleep = True
+
+    def wake(self) -> None:
+        if self.device.type == "cuda" and self.cfg.offload_optimizer:
+            self.engine.reload_states()
+        self.asleep = False
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Thin Ray shell: the coordinator talks to this; all behaviour lives in Learner.
+
+
+class _LearnerShell:
+    def __init__(self, *args, **kwargs):
+        self.learner = Learner(*args, **kwargs)
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        return self.learner.train_step(batch)
+
+    def _optimizer_step(self) -> float:
+        """engine.step() at the accumulation boundary; returns the pre-clip global grad norm."""
+        own = None
+        if type(self.engine.optimizer) is torch.optim.AdamW:
+            # Unwrapped optimizer (ZeRO 0, fp32): DeepSpeed clips but does not report the norm.
+            # Gradients are already all-reduced at the boundary, so this norm is global.
+            grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+            own = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        self.engine.step()
+        gn = self.engine.get_global_grad_norm() if own is None else own
+        if isinstance(gn, torch.Tensor):
+            gn = gn.item()
+        return float(gn) if gn is not None else float("nan")
+
+    def sft_step(self, pairs, lr: float | None = None) -> float:
+        return self.learner.sft_step(pairs, lr=lr)
+
+    def export_weights(self, bucket_mb: int = 512) -> list[list[tuple[str, torch.Tensor]]]:
+        return list(self.learner.export_weights(bucket_mb))
+
+    def save(self, path: str) -> str:
+        return self.learner.save(path)
+
+    def load(self, path: str) -> int:
+        return self.learner.load(path)
+
+    def export_hf(self, path: str) -> str:
+        return self.learner.export_hf(path)
+
+    def sleep(self) -> None:
+        self.learner.sleep()
+
+    def wake(self) -> None:
+        self.learner.wake()
+
+    def get_step(self) -> int:
+        return self.learner.step
+
+
+def __getattr__(name: str):
+    # Built on first use so importing this module never imports or starts Ray.
+    if name == "LearnerActor":
+        import ray
+
+        actor = ray.remote(_LearnerShell)
+        globals()["LearnerActor"] = actor
+        return actor
+    raise AttributeError(name)

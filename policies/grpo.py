@@ -1,0 +1,139 @@
+"""GRPO advantages and the PPO-clip policy loss, as pure functions on tensors.
+
+Invariants:
+- `policy_loss` summed over the micro-batches of a minibatch, each called with the minibatch's
+  `normalizer` (its total valid tokens for "token-mean", its total sequences for
+  "seq-mean-token-mean"), equals the loss of the whole minibatch in one call. Gradient
+  accumulation therefore changes nothing but memory.
+- Tokens where `mask` is False (prompt, padding) contribute nothing to the loss or the metrics.
+- When `logprobs == old_logprobs` the ratio is exactly 1: ppo_kl and clipfrac are exactly 0.
+- Importance weights against the sampler (`gen_logprobs`, `tis_cap`) are detached: they rescale
+  the gradient of a stale sample and never receive gradient themselves.
+- Every metric is a python float.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+LossAgg = Literal["token-mean", "seq-mean-token-mean"]
+
+
+def group_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO advantages of `rewards` [groups, n]: reward minus its group mean, over the group std.
+
+    Returns (advantages [groups, n], zero_variance_mask [groups]). A group whose rewards are all
+    equal (or that has one sample) carries no signal: its advantages are exactly 0 and its mask
+    entry is True, so the assembler can filter it.
+    """
+    if rewards.ndim != 2:
+        raise ValueError(f"rewards must be [groups, n], got shape {tuple(rewards.shape)}")
+    r = rewards.to(torch.float64) if rewards.dtype != torch.float64 else rewards
+    zero_variance = (r == r[:, :1]).all(dim=1)
+    centred = r - r.mean(dim=1, keepdim=True)
+    if normalize_std and r.shape[1] > 1:
+        # Unbiased std, as in the GRPO paper and verl; eps keeps near-constant groups finite.
+        centred = centred / (r.std(dim=1, keepdim=True) + eps)
+    advantages = torch.where(zero_variance[:, None], torch.zeros_like(centred), centred)
+    return advantages.to(rewards.dtype if rewards.is_floating_point() else torch.float32), zero_variance
+
+
+def _aggregate(values: torch.Tensor, mask: torch.Tensor, agg: LossAgg, normalizer: float | None,
+               seq_ids: torch.Tensor | None) -> torch.Tensor:
+    """Sum of masked `values`, over the normaliser of `agg` (see the module invariant)."""
+    m = mask.to(values.dtype)
+    if agg == "token-mean":
+        denom = m.sum().clamp(min=1) if normalizer is None else normalizer
+        return (values * m).sum() / denom
+    if agg == "seq-mean-token-mean":
+        if seq_ids is None:
+            if values.ndim != 2:
+                raise ValueError("seq-mean-token-mean on flat (packed) tokens needs seq_ids")
+            seq_ids = torch.arange(values.shape[0], device=values.device)[:, None].expand_as(values)
+        ids = torch.where(mask, seq_ids, torch.full_like(seq_ids, -1)).reshape(-1)
+        valid = ids >= 0
+        ids_v, vals_v = ids[valid], values.reshape(-1)[valid]
+        if ids_v.numel() == 0:
+            return values.sum() * 0.0
+        uniq, inverse = torch.unique(ids_v, return_inverse=True)
+        per_seq_sum = torch.zeros(len(uniq), dtype=values.dtype, device=values.device).index_add(0, inverse, vals_v)
+        per_seq_len = torch.zeros(len(uniq), dtype=values.dtype, device=values.device).index_add(
+            0, inverse, torch.ones_like(vals_v))
+        denom = float(len(uniq)) if normalizer is None else normalizer
+        return (per_seq_sum / per_seq_len).sum() / denom
+    raise ValueError(f"unknown loss aggregation {agg!r} (token-mean | seq-mean-token-mean)")
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    n = int(mask.sum())
+    return float((values.detach() * mask).sum() / n) if n else 0.0
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
+                agg: LossAgg = "token-mean", ref_logprobs: torch.Tensor | None = None,
+                kl_coef: float = 0.0, entropy: torch.Tensor | None = None, entropy_coef: float = 0.0,
+                gen_logprobs: torch.Tensor | None = None, tis_cap: float = 0.0,
+                seq_ids: torch.Tensor | None = None, normalizer: float | None = None,
+                ) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO-clip loss with separate low/high clip ranges (clip-higher), per-token advantages.
+
+    All tensors share one shape (flat packed tokens [T] or [B, L]); `advantages` is the
+    sample's advantage broadcast over its tokens. `mask` selects the completion tokens.
+    loss = agg(max(-A r, -A clip(r, 1-clip_low, 1+clip_high)) * w) + kl_coef agg(k3)
+           - entropy_coef agg(entropy), with r = exp(logprobs - old_logprobs) and
+    w = min(exp(old_logprobs - gen_logprobs), tis_cap) (detached; 1 when tis_cap == 0).
+    `normalizer`: see the module invariant; None uses this call's own count.
+    `seq_ids`: the sample of each token, needed for "seq-mean-token-mean" on flat tokens.
+    Metrics are means over this call's valid tokens (weight them by `num_tokens` to combine).
+    """
+    mask = mask.bool()
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    pg_unclipped = -advantages * ratio
+    pg_clipped = -advantages * clipped
+    pg_per_token = torch.maximum(pg_unclipped, pg_clipped)
+
+    metrics: dict[str, float] = {}
+    if gen_logprobs is not None and tis_cap > 0:
+        tis_weight = torch.exp(old_logprobs - gen_logprobs).clamp(max=tis_cap).detach()
+        pg_per_token = pg_per_token * tis_weight
+        metrics["tis_weight_mean"] = _masked_mean(tis_weight, mask)
+        metrics["tis_capped_frac"] = _masked_mean((tis_weight >= tis_cap).to(ratio.dtype), mask)
+
+    pg_loss = _aggregate(pg_per_token, mask, agg, normalizer, seq_ids)
+    loss = pg_loss
+
+    if ref_logprobs is not None:
+        # k3 estimator of KL(pi || ref): unbiased, always >= 0 (Schulman's "approximating KL").
+        d = ref_logprobs - logprobs
+        kl = torch.exp(d) - d - 1.0
+        kl_loss = _aggregate(kl, mask, agg, normalizer, seq_ids)
+        if kl_coef:
+            loss = loss + kl_coef * kl_loss
+        metrics["kl"] = _masked_mean(kl, mask)
+    if entropy is not None:
+        ent = _aggregate(entropy, mask, agg, normalizer, seq_ids)
+        if entropy_coef:
+            loss = loss - entropy_coef * ent
+        metrics["entropy"] = _masked_mean(entropy, mask)
+
+    with torch.no_grad():
+        m = mask.to(ratio.dtype)
+        n = int(m.sum())
+        is_clipped = (pg_clipped > pg_unclipped).to(ratio.dtype)
+        metrics.update(
+            pg_loss=float(pg_loss.detach()),
+            ppo_kl=_masked_mean(-log_ratio, mask),
+            clipfrac=_masked_mean(is_clipped, mask),
+            clipfrac_low=_masked_mean(is_clipped * (ratio < 1.0 - clip_low).to(ratio.dtype), mask),
+            clipfrac_high=_masked_mean(is_clipped * (ratio > 1.0 + clip_high).to(ratio.dtype), mask),
+            ratio_mean=_masked_mean(ratio, mask),
+            ratio_max=float(ratio.detach()[mask].max()) if n else 1.0,
+            ratio_min=float(ratio.detach()[mask].min()) if n else 1.0,
+            num_tokens=float(n),
+        )
+    return loss, metrics

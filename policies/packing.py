@@ -1,0 +1,228 @@
+"""Token-budget packing: samples -> micro-batches -> minibatches -> one packed row per micro-batch.
+
+Invariants:
+- Every sample index appears in exactly one micro-batch; a sample longer than the budget gets a
+  micro-batch of its own and a warning (it is never dropped or truncated).
+- A packed row holds whole samples back to back, with position ids restarting at 0 for each
+  sample, so a packed forward gives each sample exactly the log-probs it gets alone, provided
+  attention does not cross sample boundaries:
+    * flash_attention_2/3 (GPU): transformers derives the varlen boundaries from the restarting
+      position_ids; no mask is passed (`PackedBatch.attention_mask` returns None).
+    * sdpa / eager (CPU, tests, any GPU without flash-attn): there is no varlen kernel, so an
+      explicit block-diagonal causal 4D mask is built and passed.
+- Everything is aligned to the *predicting* position: at position t the model's output scores
+  `target_ids[t]`, the next token of the same sample. `loss_mask[t]` is True exactly when that
+  target is a completion token, so prompt tokens, the last position of each sample and padding
+  never reach the loss.
+"""
+from __future__ import annotations
+
+import heapq
+import warnings
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+FLASH_ATTENTION_IMPLS = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn",
+                         "kernels-community/flash-attn3")
+
+
+class OversizedSampleWarning(UserWarning):
+    """A sample longer than the micro-batch token budget: it is trained alone."""
+
+
+def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Sample indices per micro-batch, each micro-batch's total length <= max_tokens.
+
+    First-fit-decreasing over the sample lengths (prompt + completion tokens). A sample longer
+    than `max_tokens` gets its own micro-batch and an OversizedSampleWarning. Indices within a
+    micro-batch are ascending; micro-batches come longest-first. Deterministic.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    free: list[int] = []
+    oversized = []
+    for i in order:
+        n = int(lengths[i])
+        if n < 0:
+            raise ValueError(f"sample {i} has negative length {n}")
+        if n > max_tokens:
+            oversized.append(i)
+            bins.append([i])
+            free.append(0)
+            continue
+        for b, room in enumerate(free):
+            if n <= room:
+                bins[b].append(i)
+                free[b] -= n
+                break
+        else:
+            bins.append([i])
+            free.append(max_tokens - n)
+    if oversized:
+        warnings.warn(f"{len(oversized)} sample(s) longer than the micro-batch budget of {max_tokens} tokens "
+                      f"(longest {max(lengths[i] for i in oversized)}): each trained in a micro-batch of its own",
+                      OversizedSampleWarning, stacklevel=2)
+    return [sorted(b) for b in bins]
+
+
+def split_minibatches(micro_batches: Sequence[Sequence[int]], num_minibatches: int,
+                      lengths: Sequence[int] | None = None) -> list[list[int]]:
+    """Micro-batch indices per minibatch (one optimizer step each), balanced by tokens.
+
+    With `lengths` (per sample, as given to plan_micro_batches) the minibatches are balanced by
+    token count, else by sample count (longest-processing-time greedy). When there are fewer
+    micro-batches than `num_minibatches`, every micro-batch becomes its own minibatch: fewer
+    optimizer steps, never an empty one. Indices within a minibatch are ascending.
+    """
+    if num_minibatches < 1:
+        raise ValueError(f"num_minibatches must be >= 1, got {num_minibatches}")
+    weight = [sum(lengths[i] for i in mb) if lengths is not None else len(mb) for mb in micro_batches]
+    k = min(num_minibatches, len(micro_batches))
+    heap = [(0, m) for m in range(k)]
+    out: list[list[int]] = [[] for _ in range(k)]
+    for j in sorted(range(len(micro_batches)), key=lambda j: (-weight[j], j)):
+        load, m = heapq.heappop(heap)
+        out[m].append(j)
+        heapq.heappush(heap, (load + weight[j], m))
+    return [sorted(mb) for mb in out]
+
+
+@dataclass
+class PackedBatch:
+    """One packed row. Every [1, T] tensor is aligned to the predicting position (see module doc).
+
+    sample_index[0, t]: the sample position t belongs to (-1: padding).
+    token_index[0, t]: index within its completion of the token scored at t (-1: none).
+    """
+
+    input_ids: torch.Tensor  # [1, T] long
+    position_ids: torch.Tensor  # [1, T] long, restarting at 0 per sample
+    target_ids: torch.Tensor  # [1, T] long, the next token of the same sample (0 where none)
+    loss_mask: torch.Tensor  # [1, T] bool, True where target_ids[t] is a completion token
+    cu_seqlens: torch.Tensor  # [S + 1] int32, sample boundaries (padding not included)
+    sample_index: torch.Tensor  # [1, T] long
+    token_index: torch.Tensor  # [1, T] long
+    completion_lengths: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.completion_lengths)
+
+    def to(self, device: torch.device | str) -> "PackedBatch":
+        fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        return PackedBatch(**fields)
+
+    def scatter(self, per_sample: Sequence[torch.Tensor], fill: float = 0.0,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Per-completion-token values (one 1-D tensor per sample) -> a [1, T] tensor."""
+        if len(per_sample) != self.num_samples:
+            raise ValueError(f"got values for {len(per_sample)} samples, the batch packs {self.num_samples}")
+        out = torch.full(self.input_ids.shape, fill, dtype=dtype, device=self.input_ids.device)
+        rows = self.loss_mask[0].nonzero().squeeze(-1)
+        for i, n in enumerate(self.completion_lengths):
+            if len(per_sample[i]) != n:
+                raise ValueError(f"sample {i}: {len(per_sample[i])} values for {n} completion tokens")
+        if len(rows):
+            flat = torch.cat([torch.as_tensor(v, dtype=dtype).reshape(-1) for v in per_sample]).to(out.device)
+            out[0, rows] = flat  # loss positions are in sample order, tokens in order
+        return out
+
+    def scatter_per_sample(self, values: Sequence[float], fill: float = 0.0,
+                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """One scalar per sample (e.g. its advantage) broadcast over its completion tokens."""
+        v = torch.tensor([*values, fill], dtype=dtype, device=self.input_ids.device)
+        idx = torch.where(self.loss_mask, self.sample_index, torch.full_like(self.sample_index, len(values)))
+        return v[idx]
+
+    def unpack(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """A [1, T] (or [T]) per-position tensor -> one tensor per sample over its completion tokens."""
+        flat = values.reshape(-1)[self.loss_mask.reshape(-1)]
+        return list(torch.split(flat, self.completion_lengths))
+
+    def attention_mask(self, attn_implementation: str, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """What to pass as `attention_mask` so attention stays inside each sample (module doc)."""
+        if attn_implementation in FLASH_ATTENTION_IMPLS:
+            return None
+        return block_causal_mask(self.sample_index[0], dtype)
+
+
+def block_causal_mask(segment_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[1, 1, T, T] additive mask: 0 where query t may see key s (same segment, s <= t), else min.
+
+    Padding (segment -1) sees only itself; its outputs never reach the loss.
+    """
+    t = segment_ids.shape[0]
+    seg = segment_ids.clone()
+    pad = seg < 0
+    # Give each padding position a segment of its own so its softmax row is never empty.
+    seg[pad] = -1 - torch.arange(int(pad.sum()), device=seg.device)
+    same = seg[:, None] == seg[None, :]
+    causal = torch.ones(t, t, dtype=torch.bool, device=seg.device).tril()
+    allowed = same & causal
+    mask = torch.zeros(t, t, dtype=dtype, device=seg.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def pack(sequences: Sequence[tuple[Sequence[int] | torch.Tensor, Sequence[int] | torch.Tensor]],
+         pad_to_multiple_of: int = 1, pad_token_id: int = 0) -> PackedBatch:
+    """(prompt_ids, completion_ids) pairs -> one packed row (see PackedBatch and the module doc).
+
+    Each prompt needs at least one token (it predicts the first completion token). With
+    `pad_to_multiple_of` > 1 the row is padded at the end; padding is masked out of the loss.
+    """
+    ids, pos, tgt, lmask, sidx, tidx = [], [], [], [], [], []
+    cu = [0]
+    comp_lens = []
+    for i, (prompt, completion) in enumerate(sequences):
+        p = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
+        c = torch.as_tensor(completion, dtype=torch.long).reshape(-1)
+        if p.numel() == 0:
+            raise ValueError(f"sample {i} has an empty prompt; at least one token must predict the completion")
+        seq = torch.cat([p, c])
+        n, np_, nc = seq.numel(), p.numel(), c.numel()
+        ids.append(seq)
+        pos.append(torch.arange(n))
+        tgt.append(torch.cat([seq[1:], torch.zeros(1, dtype=torch.long)]))
+        m = torch.zeros(n, dtype=torch.bool)
+        m[np_ - 1: np_ - 1 + nc] = True  # position t predicts token t + 1
+        lmask.append(m)
+        sidx.append(torch.full((n,), i, dtype=torch.long))
+        ti = torch.full((n,), -1, dtype=torch.long)
+        ti[np_ - 1: np_ - 1 + nc] = torch.arange(nc)
+        tidx.append(ti)
+        cu.append(cu[-1] + n)
+        comp_lens.append(nc)
+    total = cu[-1]
+    pad = (-total) % max(1, pad_to_multiple_of)
+    if pad:
+        ids.append(torch.full((pad,), pad_token_id, dtype=torch.long))
+        pos.append(torch.arange(pad))
+        tgt.append(torch.zeros(pad, dtype=torch.long))
+        lmask.append(torch.zeros(pad, dtype=torch.bool))
+        sidx.append(torch.full((pad,), -1, dtype=torch.long))
+        tidx.append(torch.full((pad,), -1, dtype=torch.long))
+    cat = lambda xs, dt: (torch.cat(xs) if xs else torch.zeros(0, dtype=dt))[None]  # noqa: E731
+    return PackedBatch(
+        input_ids=cat(ids, torch.long), position_ids=cat(pos, torch.long), target_ids=cat(tgt, torch.long),
+        loss_mask=cat(lmask, torch.bool), cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+        sample_index=cat(sidx, torch.long), token_index=cat(tidx, torch.long), completion_lengths=comp_lens)
+
+
+def padding_fraction(lengths: Sequence[int], micro_batches: Sequence[Sequence[int]], max_tokens: int) -> float:
+    """Share of the padded slots when every micro-batch is padded to `max_tokens` (the budget)."""
+    used = sum(lengths[i] for mb in micro_batches for i in mb)
+    slots = sum(max(max_tokens, sum(lengths[i] for i in mb)) for mb in micro_batches)
+    return 1.0 - used / slots if slots else 0.0
