@@ -1,0 +1,170 @@
+"""The scorer: RolloutGroup in, ScoredGroup out, SQL executed in a sandboxed process pool.
+
+Invariants:
+- Every sample of every consumed group gets one verdict and its reward (policies.sql_reward);
+  a group the generator failed gets "generation_error" for every sample, and a group whose gold
+  SQL fails gets "gold_failed" for every sample and gold_failed=True (excluded from training,
+  counted), never a silent 0.
+- A rollouts message is acked only after its ScoredGroup is published, so a scorer that dies
+  mid-group leaves the message pending for a live scorer to reclaim; nothing is lost. A message
+  that cannot be decoded is acked and counted (retrying it could never succeed).
+- Gold results are cached per (database, gold SQL); identical predictions in a group run once.
+- The scorer never sees the model: it scores the text the generator put in each Sample.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import socket
+import time
+
+from launch.config import ScorerConfig
+from policies.sql_reward import GENERATION_ERROR, GOLD_FAILED, reward_for
+from queues.messages import RolloutGroup, SchemaError, ScoredGroup, codec
+from tasks.sandbox import GoldCache, SqlPool, score_group
+
+log = logging.getLogger(__name__)
+
+
+class Scorer:
+    """Plain (Ray-free) scorer: owns a SqlPool and a GoldCache."""
+
+    def __init__(self, cfg: ScorerConfig | None = None, scorer_id: str = ""):
+        self.cfg = cfg or ScorerConfig()
+        self.scorer_id = scorer_id or f"scorer-{socket.gethostname()}-{os.getpid()}"
+        self.pool = SqlPool(workers=self.cfg.workers, timeout_s=self.cfg.timeout_s, max_rows=self.cfg.max_rows,
+                            memory_mb=self.cfg.memory_mb, temp_store_mb=self.cfg.temp_store_mb)
+        self.gold_cache = GoldCache(self.cfg.gold_cache_size)
+        self.verdicts: collections.Counter[str] = collections.Counter()
+        self.groups = 0
+        self.gold_failed_groups = 0
+        self.pred_queries = 0
+        self.samples = 0
+        self.score_seconds = 0.0
+
+    async def score(self, group: RolloutGroup) -> ScoredGroup:
+        start = time.monotonic()
+        n = len(group.samples)
+        gold_failed = False
+        if group.error:
+            verdicts = [GENERATION_ERROR] * n
+            rewards = [reward_for(GENERATION_ERROR)] * n
+        else:
+            texts = [s.text for s in group.samples]
+            result = await score_group(self.pool, group.task.db_path, group.task.gold_sql, texts, self.gold_cache)
+            verdicts, rewards, gold_failed = result.verdicts, result.rewards, result.gold_failed
+            self.pred_queries += result.executed
+            if gold_failed:
+                log.warning("gold SQL failed for prompt %s (%s): %s", group.task.prompt_id, group.task.db_path,
+                            result.gold_error)
+        seconds = time.monotonic() - start
+        self.groups += 1
+        self.samples += n
+        self.gold_failed_groups += int(gold_failed)
+        self.verdicts.update(verdicts)
+        self.score_seconds += seconds
+        return ScoredGroup(rollout=group, rewards=rewards, verdicts=verdicts, gold_failed=gold_failed,
+                           scorer_id=self.scorer_id, score_seconds=seconds, scored_at=time.time())
+
+    def stats(self) -> dict[str, float]:
+        """All scalars: counts, verdict fractions, cache and pool health."""
+        out: dict[str, float] = {
+            "groups": float(self.groups), "samples": float(self.samples),
+            "gold_failed_groups": float(self.gold_failed_groups), "pred_queries": float(self.pred_queries),
+            "gold_cache_hits": float(self.gold_cache.hits), "gold_cache_misses": float(self.gold_cache.misses),
+            "workers_replaced": float(self.pool.replaced), "score_seconds": self.score_seconds,
+        }
+        for v, c in self.verdicts.items():
+            out[f"verdict/{v}"] = float(c)
+        return out
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class ScorerLoop:
+    """The stream side: rollouts (group "scorers") -> score -> scored; ack after publish."""
+
+    def __init__(self, scorer: Scorer, consumer: str, reclaim_idle_s: float = 30.0, batch: int = 8):
+        self.scorer = scorer
+        self.consumer = consumer
+        self.reclaim_idle_ms = int(reclaim_idle_s * 1000)
+        self.batch = batch
+        self.undecodable = 0
+        self._stop = asyncio.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self, redis_url: str, run_id: str, high_water: int = 4096) -> None:
+        from queues.streams import Stream, connect
+
+        redis = await connect(redis_url)
+        rollouts = Stream(redis, run_id, "rollouts", group="scorers", high_water=high_water)
+        scored = Stream(redis, run_id, "scored", high_water=high_water)
+        await rollouts.ensure_group()
+        decode = codec(RolloutGroup).decode
+        encode = codec(ScoredGroup).encode
+
+        async def handle(entry_id: str, data: bytes) -> None:
+            try:
+                group = decode(data)
+            except SchemaError as e:
+                self.undecodable += 1
+                log.error("dropping undecodable rollouts entry %s: %s", entry_id, e)
+                await rollouts.ack([entry_id])
+                return
+            result = await self.scorer.score(group)
+            await scored.publish(encode(result))
+            await rollouts.ack([entry_id])  # only now: a crash before this leaves it for reclaim
+
+        try:
+            # Messages this consumer had taken before a restart come first.
+            entries = await rollouts.pending_mine(self.consumer)
+            last_reclaim = time.monotonic()
+            while not self._stop.is_set():
+                if not entries:
+                    entries = await rollouts.consume(self.consumer, count=self.batch, block_ms=200)
+                if time.monotonic() - last_reclaim > max(1.0, self.reclaim_idle_ms / 2000):
+                    last_reclaim = time.monotonic()
+                    entries += await rollouts.reclaim(self.consumer, self.reclaim_idle_ms, count=self.batch)
+                if entries:
+                    # Groups of one batch score concurrently: the pool spreads their queries.
+                    await asyncio.gather(*(handle(eid, data) for eid, data in entries))
+                entries = []
+        finally:
+            await redis.aclose()
+
+
+try:
+    import ray
+except ImportError:  # the plain Scorer works without Ray
+    ray = None
+
+if ray is not None:
+
+    @ray.remote
+    class ScorerActor:
+        """Ray shell around Scorer + ScorerLoop; create with .options(num_cpus=cfg.num_cpus)."""
+
+        def __init__(self, cfg: dict, scorer_id: str = "", reclaim_idle_s: float = 30.0):
+            import msgspec
+
+            scorer_cfg = msgspec.convert(cfg, ScorerConfig) if isinstance(cfg, dict) else cfg
+            self.scorer = Scorer(scorer_cfg, scorer_id)
+            self.loop = ScorerLoop(self.scorer, consumer=self.scorer.scorer_id, reclaim_idle_s=reclaim_idle_s)
+
+        async def run(self, redis_url: str, run_id: str, high_water: int = 4096) -> None:
+            await self.loop.run(redis_url, run_id, high_water)
+
+        async def stop(self) -> None:
+            self.loop.stop()
+
+        async def stats(self) -> dict[str, float]:
+            return dict(self.scorer.stats(), undecodable=float(self.loop.undecodable))
+
+        async def close(self) -> None:
+            self.loop.stop()
+            self.scorer.close()
