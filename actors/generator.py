@@ -1,0 +1,324 @@
+"""Generator: pulls PromptTasks, runs each as its own engine request, streams each group out.
+
+Invariants:
+- Per-prompt fan-out: every task becomes one `engine.generate(task)`; its RolloutGroup is
+  published to the "rollouts" stream the moment it finishes, whatever the others are doing.
+  Up to `max_inflight_prompts` requests are in flight at once.
+- A task is acked on "prompts" only after its group is published, so a generator that dies
+  mid-task leaves it pending; live generators reclaim (XAUTOCLAIM) tasks idle longer than
+  `reclaim_idle_s`. A live generator keeps its own in-flight tasks fresh (XCLAIM heartbeat) so
+  they are not stolen while it still works on them.
+- Every task yields exactly one group: a task that cannot be generated (undecodable bytes,
+  empty or over-length prompt, n < 1, bad sampling override, decode failure) gets a group
+  with a one-line `error` and no samples, and the generator keeps serving.
+- Every group carries the policy version of the weights that produced it (the engine's
+  version when its request started) and the generator's id and timestamps.
+- `pause()` stops pulling and returns only when every in-flight group is published; `sleep`
+  pauses first, then releases engine memory; `wake`/`load_weights`/`finish_weight_update`
+  return when the engine is done. `resume()` starts pulling again.
+
+`GeneratorActor` at the bottom is the thin Ray shell (an async actor) over the same methods.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Iterable
+
+from actors.engines.base import Engine, EngineAsleep, TaskError
+from queues.messages import PromptTask, RolloutGroup, codec
+
+log = logging.getLogger(__name__)
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+class Generator:
+    def __init__(self, engine: Engine, generator_cfg: Any, *, reclaim_idle_s: float = 30.0,
+                 stream_high_water: int = 4096, consume_block_ms: int = 200):
+        self.engine = engine
+        self.cfg = generator_cfg
+        self.max_inflight = max(1, int(generator_cfg.max_inflight_prompts))
+        self.reclaim_idle_ms = int(reclaim_idle_s * 1000)
+        self.stream_high_water = stream_high_water
+        self.consume_block_ms = consume_block_ms
+        self.generator_id = ""
+        self._inflight: dict[str, asyncio.Task] = {}  # prompts-stream entry id -> serving task
+        self._paused = False
+        self._stop = False
+        self._pulling = False
+        self._loop_bound: asyncio.AbstractEventLoop | None = None
+        self._m = {"groups_published": 0, "error_groups": 0, "tasks_reclaimed": 0, "tokens": 0,
+                   "queue_wait_s": 0.0, "publish_latency_s": 0.0, "gen_s": 0.0}
+        self._first_start: float | None = None
+        self._last_finish: float | None = None
+
+    # -- event-loop plumbing -----------------------------------------------------------------
+
+    def _bind(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop_bound is not loop:
+            self._loop_bound = loop
+            self._resumed = asyncio.Event()
+            self._changed = asyncio.Event()  # set whenever in-flight count or pulling changes
+            if not self._paused:
+                self._resumed.set()
+
+    def _notify(self) -> None:
+        self._changed.set()
+
+    async def _wait_until(self, cond) -> None:
+        while not cond():
+            self._changed.clear()
+            if cond():
+                return
+            await self._changed.wait()
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    async def run(self, redis_url: str, run_id: str, generator_id: str) -> None:
+        """Serves tasks until stop(); raises RedisUnavailable if Redis goes away for good."""
+        from queues.streams import Stream, connect
+
+        self._bind()
+        self.generator_id = generator_id
+        self._stop = False
+        redis = await connect(redis_url)
+        prompts = Stream(redis, run_id, "prompts", group="generators")
+        rollouts = Stream(redis, run_id, "rollouts", high_water=self.stream_high_water)
+        await prompts.ensure_group()
+        heartbeat = asyncio.create_task(self._heartbeat(prompts))
+        next_reclaim = 0.0
+        try:
+            # Tasks this consumer held before a restart come first.
+            for eid, data in await prompts.pending_mine(generator_id, count=self.max_inflight):
+                self._spawn(eid, data, prompts, rollouts)
+            while not self._stop:
+                if self._paused:
+                    await self._resumed.wait()
+                    continue
+                free = self.max_inflight - len(self._inflight)
+                if free <= 0:
+                    await self._wait_until(lambda: len(self._inflight) < self.max_inflight or self._stop or self._paused)
+                    continue
+                self._pulling = True
+                try:
+                    entries: list[tuple[str, bytes]] = []
+                    if time.monotonic() >= next_reclaim:
+                        next_reclaim = time.monotonic() + max(0.5, self.reclaim_idle_ms / 4000)
+                        entries = [(e, d) for e, d in await prompts.reclaim(generator_id, self.reclaim_idle_ms, count=free)
+                                   if e not in self._inflight]
+                        self._m["tasks_reclaimed"] += len(entries)
+                    if not entries:
+                        entries = await prompts.consume(generator_id, count=min(free, 32), block_ms=self.consume_block_ms)
+                finally:
+                    self._pulling = False
+                    self._notify()
+                for eid, data in entries:
+                    self._spawn(eid, data, prompts, rollouts)
+            await self._wait_until(lambda: not self._inflight)
+        finally:
+            heartbeat.cancel()
+            for t in list(self._inflight.values()):
+                t.cancel()
+            await redis.aclose()
+
+    def _spawn(self, eid: str, data: bytes, prompts, rollouts) -> None:
+        if eid in self._inflight:
+            return
+        self._inflight[eid] = asyncio.create_task(self._serve(eid, data, prompts, rollouts))
+        self._notify()
+
+    async def _heartbeat(self, prompts) -> None:
+        """Resets the idle time of our in-flight tasks so no live peer reclaims them."""
+        period = max(0.2, self.reclaim_idle_ms / 3000)
+        while True:
+            await asyncio.sleep(period)
+            ids = list(self._inflight)
+            if ids:
+                try:
+                    await prompts.redis.xclaim(prompts.key, prompts.group, self.generator_id, 0, ids, justid=True)
+                except Exception as e:  # best effort: a missed heartbeat only risks duplicate work
+                    log.warning("generator %s: heartbeat failed: %s", self.generator_id, _one_line(e))
+
+    async def _serve(self, eid: str, data: bytes, prompts, rollouts) -> None:
+        try:
+            group = await self.generate_one(data)
+            group.published_at = time.time()
+            await rollouts.publish(codec(RolloutGroup).encode(group))
+            await prompts.ack([eid])
+            self._count(group)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # Redis gone past its retry budget: leave the task pending for reclaim
+            log.error("generator %s: could not publish/ack %s: %s", self.generator_id, eid, _one_line(e))
+        finally:
+            self._inflight.pop(eid, None)
+            self._notify()
+
+    async def generate_one(self, data: bytes | PromptTask) -> RolloutGroup:
+        """One task (bytes off the stream, or a PromptTask) -> its group; never raises for a bad task."""
+        queued_at = time.time()
+        if isinstance(data, PromptTask):
+            task = data
+        else:
+            try:
+                task = codec(PromptTask).decode(data)
+            except Exception as e:
+                task = PromptTask(task_id="", prompt_id="", step=-1, policy_version=-1, prompt_tokens=b"", n=0)
+                return self._error_group(task, f"cannot decode PromptTask: {_one_line(e)}", queued_at)
+        if self._first_start is None:
+            self._first_start = queued_at
+        try:
+            group = await self.engine.generate(task)
+        except (TaskError, EngineAsleep) as e:
+            return self._error_group(task, str(e).splitlines()[0], queued_at)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            return self._error_group(task, f"task {task.task_id}: generation failed: {_one_line(e)}", queued_at)
+        group.generator_id = self.generator_id
+        group.queued_at = queued_at
+        if all(s.finish_reason == "abort" for s in group.samples) and group.samples:
+            group.error = f"task {task.task_id}: aborted"
+        self._last_finish = time.time()
+        return group
+
+    def _error_group(self, task: PromptTask, error: str, queued_at: float) -> RolloutGroup:
+        now = time.time()
+        return RolloutGroup(task=task, samples=[], policy_version=self.engine.version, generator_id=self.generator_id,
+                            error=error, queued_at=queued_at, started_at=now, finished_at=now)
+
+    def _count(self, group: RolloutGroup) -> None:
+        m = self._m
+        m["groups_published"] += 1
+        if group.error:
+            m["error_groups"] += 1
+            return
+        m["tokens"] += sum(len(s.tokens) // 4 for s in group.samples)
+        if group.task.published_at:
+            m["queue_wait_s"] += max(0.0, group.queued_at - group.task.published_at)
+        m["publish_latency_s"] += max(0.0, group.published_at - group.finished_at)
+        m["gen_s"] += max(0.0, group.finished_at - group.started_at)
+
+    # -- control -----------------------------------------------------------------------------
+
+    async def pause(self) -> None:
+        """Stops pulling; returns once every in-flight group is published."""
+        self._bind()
+        self._paused = True
+        self._resumed.clear()
+        self._notify()
+        await self._wait_until(lambda: not self._pulling and not self._inflight)
+
+    def resume(self) -> None:
+        self._bind()
+        self._paused = False
+        self._resumed.set()
+        self._notify()
+
+    def stop(self) -> None:
+        """run() returns after its in-flight tasks are published."""
+        self._bind()
+        self._stop = True
+        self._resumed.set()
+        self._notify()
+
+    def abort(self) -> None:
+        self.engine.abort()
+
+    async def sleep(self, level: int) -> None:
+        await self.pause()
+        await self.engine.sleep(level)
+
+    async def wake(self, tags: list[str] | None = None) -> None:
+        await self.engine.wake(tags)
+
+    async def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        await self.engine.load_weights(named_tensors, version)
+
+    async def finish_weight_update(self, version: int) -> None:
+        await self.engine.finish_weight_update(version)
+
+    def set_version(self, version: int) -> None:
+        """For syncs that bypass load_weights: from now on groups carry `version`."""
+        self.engine.version = int(version)
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def stats(self) -> dict[str, float]:
+        m = self._m
+        ok = max(1, m["groups_published"] - m["error_groups"])
+        span = (self._last_finish - self._first_start) if (self._first_start and self._last_finish) else 0.0
+        out = {
+            "generator_groups_published": float(m["groups_published"]),
+            "generator_error_groups": float(m["error_groups"]),
+            "generator_tasks_reclaimed": float(m["tasks_reclaimed"]),
+            "generator_inflight_prompts": float(len(self._inflight)),
+            "generator_paused": float(self._paused),
+            "generator_tokens": float(m["tokens"]),
+            "generator_tokens_per_s": m["tokens"] / span if span > 0 else 0.0,
+            "generator_mean_queue_wait_s": m["queue_wait_s"] / ok,
+            "generator_mean_publish_latency_s": m["publish_latency_s"] / ok,
+            "generator_mean_generate_s": m["gen_s"] / ok,
+            "policy_version": float(self.engine.version),
+        }
+        out.update(self.engine.stats())
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Ray shell
+
+import ray  # noqa: E402
+
+
+@ray.remote(max_concurrency=256)
+class GeneratorActor:
+    """Async Ray actor over one Generator; run() loops while control calls are served."""
+
+    def __init__(self, generator_cfg: Any, model_cfg: Any, model_path: str, *, reclaim_idle_s: float = 30.0,
+                 stream_high_water: int = 4096):
+        from actors.engines.base import make_engine
+
+        self.gen = Generator(make_engine(generator_cfg, model_cfg, model_path), generator_cfg,
+                             reclaim_idle_s=reclaim_idle_s, stream_high_water=stream_high_water)
+
+    async def run(self, redis_url: str, run_id: str, generator_id: str) -> None:
+        await self.gen.run(redis_url, run_id, generator_id)
+
+    async def pause(self) -> None:
+        await self.gen.pause()
+
+    async def resume(self) -> None:
+        self.gen.resume()
+
+    async def stop(self) -> None:
+        self.gen.stop()
+
+    async def abort(self) -> None:
+        self.gen.abort()
+
+    async def sleep(self, level: int) -> None:
+        await self.gen.sleep(level)
+
+    async def wake(self, tags: list[str] | None = None) -> None:
+        await self.gen.wake(tags)
+
+    async def load_weights(self, named_tensors: list[tuple[str, Any]], version: int) -> None:
+        await self.gen.load_weights(named_tensors, version)
+
+    async def finish_weight_update(self, version: int) -> None:
+        await self.gen.finish_weight_update(version)
+
+    async def set_version(self, version: int) -> None:
+        self.gen.set_version(version)
+
+    async def stats(self) -> dict[str, float]:
+        return self.gen.stats()
