@@ -43,10 +43,11 @@ def group_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: flo
 def _aggregate(values: torch.Tensor, mask: torch.Tensor, agg: LossAgg, normalizer: float | None,
                seq_ids: torch.Tensor | None) -> torch.Tensor:
     """Sum of masked `values`, over the normaliser of `agg` (see the module invariant)."""
-    m = mask.to(values.dtype)
+    # where, not multiply: a nan/inf at a masked position (padding) must not leak into the sum.
+    values = torch.where(mask, values, torch.zeros_like(values))
     if agg == "token-mean":
-        denom = m.sum().clamp(min=1) if normalizer is None else normalizer
-        return (values * m).sum() / denom
+        denom = mask.sum().clamp(min=1).to(values.dtype) if normalizer is None else normalizer
+        return values.sum() / denom
     if agg == "seq-mean-token-mean":
         if seq_ids is None:
             if values.ndim != 2:
@@ -68,7 +69,7 @@ def _aggregate(values: torch.Tensor, mask: torch.Tensor, agg: LossAgg, normalize
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     n = int(mask.sum())
-    return float((values.detach() * mask).sum() / n) if n else 0.0
+    return float(torch.where(mask, values.detach(), torch.zeros_like(values)).sum() / n) if n else 0.0
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -90,6 +91,12 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     Metrics are means over this call's valid tokens (weight them by `num_tokens` to combine).
     """
     mask = mask.bool()
+    # Zero every input at masked positions first: a nan there would otherwise reach the
+    # gradient through 0 * nan, even though torch.where drops it from the forward value.
+    def clean(t):
+        return None if t is None else torch.where(mask, t, torch.zeros_like(t))
+    logprobs, old_logprobs, advantages = clean(logprobs), clean(old_logprobs), clean(advantages)
+    ref_logprobs, entropy, gen_logprobs = clean(ref_logprobs), clean(entropy), clean(gen_logprobs)
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
@@ -122,8 +129,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         metrics["entropy"] = _masked_mean(entropy, mask)
 
     with torch.no_grad():
-        m = mask.to(ratio.dtype)
-        n = int(m.sum())
+        n = int(mask.sum())
         is_clipped = (pg_clipped > pg_unclipped).to(ratio.dtype)
         metrics.update(
             pg_loss=float(pg_loss.detach()),
