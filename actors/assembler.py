@@ -1,0 +1,206 @@
+"""Assembler: scored groups in, one packed TrainBatch per step out.
+
+Invariants:
+- Every task the coordinator asks about ends with exactly one outcome: "trained", or dropped as
+  "filtered" (zero-variance rewards), "stale" (older than max_staleness versions), "gold_failed"
+  or "failed" (generation error). A redelivered ScoredGroup (same task) is acked and ignored:
+  it is never trained twice.
+- A step's ScoredGroups are acked only after its TrainBatch is on the batches stream. If this
+  actor dies first, the groups stay pending, a restarted assembler (same consumer name) reads
+  them back, and the batch is rebuilt identically; the learner ignores a second batch for a step
+  it already trained.
+- Packing follows policies.packing: every kept sample lands in exactly one micro-batch.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import torch
+
+from launch.config import AssemblerConfig
+from policies.grpo import group_advantages
+from policies.packing import plan_micro_batches, split_minibatches
+from queues.messages import ScoredGroup, TrainBatch, TrainGroup, codec, unpack_ids
+
+TRAINED, FILTERED, STALE, GOLD_FAILED, FAILED = "trained", "filtered", "stale", "gold_failed", "failed"
+OUTCOMES = (TRAINED, FILTERED, STALE, GOLD_FAILED, FAILED)
+
+
+def admit(group: ScoredGroup, version: int, cfg: AssemblerConfig) -> str:
+    """The outcome of one scored group against the current policy version (pure)."""
+    if group.rollout.error or not group.rollout.samples:
+        return FAILED
+    if group.gold_failed:
+        return GOLD_FAILED
+    if version - group.rollout.policy_version > cfg.max_staleness:
+        return STALE
+    if cfg.filter_zero_variance and len(set(group.rewards)) <= 1:
+        return FILTERED
+    return TRAINED
+
+
+def build_batch(step: int, version: int, groups: list[ScoredGroup], cfg: AssemblerConfig) -> TrainBatch:
+    """Advantages per group, then a token-budget packing plan over all kept samples (pure)."""
+    train_groups: list[TrainGroup] = []
+    flat: list[tuple[int, int]] = []
+    lengths: list[int] = []
+    for gi, g in enumerate(groups):
+        rewards = torch.tensor([g.rewards], dtype=torch.float64)
+        adv, _ = group_advantages(rewards, normalize_std=cfg.normalize_std)
+        prompt = g.rollout.task.prompt_tokens
+        train_groups.append(TrainGroup(
+            prompt_id=g.rollout.task.prompt_id, prompt_tokens=prompt,
+            completions=[s.tokens for s in g.rollout.samples], gen_logprobs=[s.logprobs for s in g.rollout.samples],
+            advantages=[float(a) for a in adv[0]], rewards=list(g.rewards), policy_version=g.rollout.policy_version))
+        prompt_len = len(prompt) // 4
+        for si, s in enumerate(g.rollout.samples):
+            flat.append((gi, si))
+            lengths.append(prompt_len + len(s.tokens) // 4)
+    micro = plan_micro_batches(lengths, cfg.micro_batch_tokens) if flat else []
+    minibatches = split_minibatches(micro, cfg.minibatches_per_step, lengths) if micro else []
+    return TrainBatch(step=step, policy_version=version, groups=train_groups,
+                      micro_batches=[[flat[i] for i in mb] for mb in micro], minibatches=minibatches,
+                      num_tokens=sum(lengths))
+
+
+def step_metrics(groups: list[ScoredGroup], outcomes: dict[str, str]) -> dict[str, float]:
+    """Scalars over every scored sample of the step (before filtering), plus outcome counts."""
+    rewards = [r for g in groups for r in g.rewards]
+    verdicts = [v for g in groups for v in g.verdicts]
+    lengths = [len(s.tokens) // 4 for g in groups for s in g.rollout.samples]
+    truncated = [s.finish_reason == "length" for g in groups for s in g.rollout.samples]
+    m: dict[str, float] = {
+        "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+        "accuracy": sum(v == "match" for v in verdicts) / len(verdicts) if verdicts else 0.0,
+        "response_len_mean": sum(lengths) / len(lengths) if lengths else 0.0,
+        "response_len_max": float(max(lengths, default=0)),
+        "truncated_frac": sum(truncated) / len(truncated) if truncated else 0.0,
+        "prompts": float(len(outcomes)),
+    }
+    for outcome in OUTCOMES:
+        m[f"prompts_{outcome}"] = float(sum(o == outcome for o in outcomes.values()))
+    for verdict in set(verdicts):
+        m[f"verdict_{verdict}"] = sum(v == verdict for v in verdicts) / len(verdicts)
+    return m
+
+
+class Assembler:
+    """Consumes the scored stream; `collect` turns one step's groups into a TrainBatch."""
+
+    def __init__(self, cfg: AssemblerConfig, *, consumer: str = "assembler-0", reclaim_idle_s: float = 30.0):
+        self.cfg = cfg
+        self.consumer = consumer
+        self.reclaim_idle_ms = int(reclaim_idle_s * 1000)
+        self.buffer: dict[str, tuple[str, ScoredGroup]] = {}  # task_id -> (stream id, group)
+        self.resolved: dict[str, str] = {}  # task_id -> outcome, for steps already assembled
+        self.duplicates = 0
+        self._arrived = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.scored = self.batches = None
+
+    async def start(self, redis_url: str, run_id: str, high_water: int = 4096) -> None:
+        from queues.streams import Stream, connect
+
+        redis = await connect(redis_url)
+        self.scored = Stream(redis, run_id, "scored", group="assembler")
+        self.batches = Stream(redis, run_id, "batches", group="learner", high_water=high_water)
+        await self.scored.ensure_group()
+        await self.batches.ensure_group()
+        # After a restart, first take back what this consumer held when it died.
+        for msg_id, data in await self.scored.pending_mine(self.consumer, count=100_000):
+            self._take(msg_id, data)
+        self._task = asyncio.create_task(self._consume_loop())
+
+    def _take(self, msg_id: str, data: bytes) -> None:
+        group = codec(ScoredGroup).decode(data)
+        task_id = group.rollout.task.task_id
+        if task_id in self.buffer or task_id in self.resolved:
+            self.duplicates += 1
+            asyncio.get_running_loop().create_task(self.scored.ack([msg_id]))
+            return
+        self.buffer[task_id] = (msg_id, group)
+        self._arrived.set()
+
+    async def _consume_loop(self) -> None:
+        last_reclaim = time.monotonic()
+        while True:
+            for msg_id, data in await self.scored.consume(self.consumer, count=64, block_ms=200):
+                self._take(msg_id, data)
+            if time.monotonic() - last_reclaim > self.reclaim_idle_ms / 2000:
+                last_reclaim = time.monotonic()
+                for msg_id, data in await self.scored.reclaim(self.consumer, self.reclaim_idle_ms):
+                    self._take(msg_id, data)
+
+    async def wait_for(self, task_ids: list[str], timeout_s: float) -> list[str]:
+        """Waits until every task has a scored group (or was resolved); returns the missing."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            missing = [t for t in task_ids if t not in self.buffer and t not in self.resolved]
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), timeout=min(1.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                pass
+
+    async def collect(self, step: int, task_ids: list[str], version: int, timeout_s: float = 3600.0) -> dict[str, Any]:
+        """Assembles `step` from its tasks' groups; publishes the TrainBatch; reports outcomes."""
+        missing = await self.wait_for(task_ids, timeout_s)
+        outcomes: dict[str, str] = {t: self.resolved[t] for t in task_ids if t in self.resolved}
+        for t in missing:
+            outcomes[t] = FAILED  # never arrived within the step's deadline
+        fresh = [t for t in task_ids if t in self.buffer]
+        groups = [self.buffer[t][1] for t in fresh]
+        kept: list[ScoredGroup] = []
+        for t, g in zip(fresh, groups):
+            outcomes[t] = admit(g, version, self.cfg)
+            if outcomes[t] == TRAINED:
+                kept.append(g)
+        metrics = step_metrics(groups, {t: outcomes[t] for t in fresh})
+        metrics["prompts_failed"] = float(sum(o == FAILED for o in outcomes.values()))
+        metrics["duplicates_ignored"] = float(self.duplicates)
+        published = False
+        if kept:
+            batch = build_batch(step, version, kept, self.cfg)
+            batch.metrics = {"train_tokens": float(batch.num_tokens), "micro_batches": float(len(batch.micro_batches))}
+            await self.batches.publish(codec(TrainBatch).encode(batch))
+            metrics.update(batch.metrics)
+            published = True
+        await self.scored.ack([self.buffer[t][0] for t in fresh])
+        for t in fresh:
+            del self.buffer[t]
+        self.resolved.update(outcomes)
+        return {"outcomes": outcomes, "metrics": metrics, "published": published,
+                "reasons": {t: o for t, o in outcomes.items() if o != TRAINED}}
+
+    async def collect_eval(self, task_ids: list[str], timeout_s: float = 600.0) -> dict[str, float]:
+        """Execution accuracy of greedy eval groups (never trained)."""
+        await self.wait_for(task_ids, timeout_s)
+        groups = [self.buffer.pop(t) for t in task_ids if t in self.buffer]
+        await self.scored.ack([msg_id for msg_id, _ in groups])
+        verdicts = [g.verdicts[0] if g.verdicts else "failed" for _, g in groups]
+        n = max(1, len(task_ids))
+        return {"eval_accuracy": sum(v == "match" for v in verdicts) / n,
+                "eval_valid_sql": sum(v in ("match", "wrong_result") for v in verdicts) / n,
+                "eval_answered": len(groups) / n}
+
+    def forget_before(self, task_prefix_step: int) -> None:
+        """Bounds the resolved map: drops outcomes of steps older than the given step."""
+        self.resolved = {t: o for t, o in self.resolved.items()
+                         if not t[:1].isdigit() or int(t.split(":", 1)[0]) >= task_prefix_step}
+
+    def stats(self) -> dict[str, float]:
+        return {"buffered": float(len(self.buffer)), "duplicates_ignored": float(self.duplicates)}
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+
+
+def ray_actor():
+    import ray
+
+    return ray.remote(Assembler)

@@ -1,0 +1,372 @@
+"""Coordinator: the step loop, the policy version, the data cursor, the handshakes, checkpoints.
+
+One step, colocated (shared/DESIGN.md):
+  1. publish the step's prompts; generators run them while scorers score finished groups
+  2. every group generated -> generator.sleep(level)           (the scoring tail still runs)
+  3. learner.wake -> learner.train(step) -> learner.sleep      (after the assembler's batch)
+  4. generator.wake(["weights"]) -> weight sync -> generator.wake(["kv_cache"]) -> version + 1
+Async mode skips the sleeps: the next step's prompts are already generating while this step
+trains, at most `max_staleness` versions behind; at the boundary generators pause, take the new
+weights and resume.
+
+Invariants:
+- Control calls are awaited in order; a step's handshake never interleaves with another's.
+- Every task the coordinator publishes gets exactly one outcome in the ledger (trained or a
+  drop reason), and the per-step counts are in the step's metrics.
+- The coordinator never touches tensors: weights move learner -> generators through
+  actors.weight_sync, driven bucket by bucket from here.
+- A checkpoint holds the learner's state and this cursor (step, version, epoch, position); a
+  resumed run continues at the next step with the same data order.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from launch.config import RunConfig
+from queues.messages import Event, PromptTask, codec
+
+EVAL_PREFIX = "eval:"
+
+
+async def call(handle: Any, method: str, *args, **kwargs) -> Any:
+    """Calls a method on a Ray actor handle or a plain object alike (plain objects in tests)."""
+    fn = getattr(handle, method)
+    if hasattr(fn, "remote"):
+        return await fn.remote(*args, **kwargs)
+    out = fn(*args, **kwargs)
+    return await out if asyncio.iscoroutine(out) else out
+
+
+class DataCursor:
+    """Epoch, position and shuffle seed over the training prompts; deterministic and resumable."""
+
+    def __init__(self, num_items: int, seed: int, epoch: int = 0, position: int = 0):
+        self.num_items, self.seed, self.epoch, self.position = num_items, seed, epoch, position
+        self._order = self._shuffle(epoch)
+
+    def _shuffle(self, epoch: int) -> list[int]:
+        order = list(range(self.num_items))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.position >= self.num_items:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._shuffle(self.epoch)
+            out.append(self._order[self.position])
+            self.position += 1
+        return out
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+
+class Coordinator:
+    def __init__(self, cfg: RunConfig, run_id: str, run_dir: str, redis_url: str, train_items: list, eval_items: list,
+                 *, generators: list, learner: Any, assembler: Any, metrics_logger=None, log=None):
+        self.cfg, self.run_id, self.run_dir, self.redis_url = cfg, run_id, Path(run_dir), redis_url
+        self.train_items, self.eval_items = train_items, eval_items
+        self.generators, self.learner, self.assembler = generators, learner, assembler
+        self.metrics_logger, self.log = metrics_logger, log
+        self.step = 0
+        self.version = 0
+        self.cursor = DataCursor(len(train_items), cfg.data.shuffle_seed)
+        self.ledger: dict[str, str] = {}  # task_id -> outcome, for every task ever published
+        self.history: list[dict[str, float]] = []
+        self._generated: dict[str, float] = {}
+        self._stop = False
+
+    # -- streams -----------------------------------------------------------------------------
+
+    async def connect(self) -> None:
+        from queues.streams import Stream, connect
+
+        redis = await connect(self.redis_url)
+        hw = self.cfg.cluster.stream_high_water
+        self.prompts = Stream(redis, self.run_id, "prompts", group="generators", high_water=hw)
+        self.events = Stream(redis, self.run_id, "events", group="coordinator", high_water=0)
+        self.depth_streams = {s: Stream(redis, self.run_id, s, group=g) for s, g in
+                              [("prompts", "generators"), ("rollouts", "scorers"), ("scored", "assembler"), ("batches", "learner")]}
+        for s in (self.prompts, self.events, *self.depth_streams.values()):
+            await s.ensure_group()
+
+    async def _drain_events(self) -> None:
+        for msg_id, data in await self.events.consume("coordinator", count=512, block_ms=50):
+            ev = codec(Event).decode(data)
+            if ev.kind == "generated":
+                self._generated[ev.task_id] = ev.at
+            await self.events.ack([msg_id])
+
+    async def _wait_generated(self, task_ids: list[str], timeout_s: float) -> float:
+        """Returns when every task's group was published by a generator (event), or at timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            await self._drain_events()
+            if all(t in self._generated for t in task_ids):
+                break
+        return max((self._generated.get(t, 0.0) for t in task_ids), default=time.time())
+
+    def _tasks(self, step: int, indices: list[int], version: int) -> list[PromptTask]:
+        n = self.cfg.generator.n_samples
+        now = time.time()
+        return [PromptTask(task_id=f"{step}:{slot}:0", prompt_id=self.train_items[i].prompt_id, step=step,
+                           policy_version=version, prompt_tokens=self.train_items[i].prompt_tokens, n=n,
+                           db_id=self.train_items[i].db_id, db_path=self.train_items[i].db_path,
+                           gold_sql=self.train_items[i].gold_sql, difficulty=self.train_items[i].difficulty,
+                           published_at=now)
+                for slot, i in enumerate(indices)]
+
+    async def _publish(self, tasks: list[PromptTask]) -> list[str]:
+        await self.prompts.publish_many([codec(PromptTask).encode(t) for t in tasks])
+        return [t.task_id for t in tasks]
+
+    # -- handshakes --------------------------------------------------------------------------
+
+    async def _all_generators(self, method: str, *args) -> list:
+        return await asyncio.gather(*(call(g, method, *args) for g in self.generators))
+
+    async def sync_weights(self, version: int) -> float:
+        """Learner -> every generator, bucket by bucket; returns seconds taken."""
+        from actors.weight_sync import drive_bucketed_sync
+
+        start = time.perf_counter()
+        kind = self.cfg.coordinator.weight_sync
+        if kind in ("object_store", "cuda_ipc"):
+            await call(self.learner, "weight_sync_start", version, kind, self.cfg.coordinator.weight_bucket_mb)
+            got = await drive_bucketed_sync(
+                lambda: call(self.learner, "weight_sync_next"),
+                [lambda msg, g=g: call(g, "weight_sync_receive", msg, kind) for g in self.generators],
+                abort=lambda: call(self.learner, "weight_sync_abort"))
+        else:  # nccl: every rank joins the broadcast at once
+            results = await asyncio.gather(call(self.learner, "weight_sync_broadcast", version),
+                                           *(call(g, "weight_sync_broadcast_receive", version) for g in self.generators))
+            got = results[-1]
+        if got != version:
+            raise RuntimeError(f"weight sync finished at version {got}, expected {version}")
+        return time.perf_counter() - start
+
+    async def _eval(self) -> dict[str, float]:
+        if not self.eval_items:
+            return {}
+        tasks = [PromptTask(task_id=f"{EVAL_PREFIX}{self.step}:{k}", prompt_id=f"{EVAL_PREFIX}{it.prompt_id}", step=-1,
+                            policy_version=self.version, prompt_tokens=it.prompt_tokens, n=1, db_id=it.db_id,
+                            db_path=it.db_path, gold_sql=it.gold_sql, difficulty=it.difficulty,
+                            sampling={"temperature": 0.0}, published_at=time.time())
+                 for k, it in enumerate(self.eval_items)]
+        start = time.perf_counter()
+        ids = await self._publish(tasks)
+        result = await call(self.assembler, "collect_eval", ids, self.cfg.coordinator.step_timeout_s)
+        result["time_eval"] = time.perf_counter() - start
+        return result
+
+    async def queue_depths(self) -> dict[str, float]:
+        out = {}
+        for stage, s in self.depth_streams.items():
+            d = await s.depth()
+            out[f"queue_{stage}_length"] = float(d["length"])
+            out[f"queue_{stage}_pending"] = float(d["pending"])
+        return out
+
+    # -- the step ----------------------------------------------------------------------------
+
+    async def run_step(self, step: int, task_ids: list[str], next_publish=None) -> dict[str, float]:
+        cfg = self.cfg
+        colocated = cfg.coordinator.mode == "colocated"
+        t0 = time.perf_counter()
+        m: dict[str, float] = {}
+        last_generated = await self._wait_generated(task_ids, cfg.coordinator.step_timeout_s)
+        gen_done = time.perf_counter()
+        m["time_generation"] = gen_done - t0
+        if colocated:
+            t = time.perf_counter()
+            await self._all_generators("sleep", cfg.generator.sleep_level)
+            m["time_generator_sleep"] = time.perf_counter() - t
+            t = time.perf_counter()
+            await call(self.learner, "wake")
+            m["time_learner_wake"] = time.perf_counter() - t
+        if next_publish is not None:
+            await next_publish()  # async mode: the next step generates while this one trains
+        t = time.perf_counter()
+        result = await call(self.assembler, "collect", step, task_ids, self.version, cfg.coordinator.step_timeout_s)
+        scored_done = time.perf_counter()
+        # Scoring still running after the last group was generated (and after the sleep).
+        m["time_exposed_scoring"] = max(0.0, scored_done - max(t, gen_done))
+        m["exposed_scoring_after_last_generated"] = max(0.0, time.time() - last_generated) if last_generated else 0.0
+        self.ledger.update(result["outcomes"])
+        m.update(result["metrics"])
+        trained = result["published"]
+        if trained:
+            t = time.perf_counter()
+            train_metrics = await call(self.learner, "train_from_stream", step)
+            m["time_training"] = time.perf_counter() - t
+            m.update({f"train_{k}" if not k.startswith("train_") else k: v for k, v in train_metrics.items()})
+        else:
+            m["time_training"] = 0.0
+            m["skipped_update"] = 1.0
+        if colocated:
+            t = time.perf_counter()
+            await call(self.learner, "sleep")
+            m["time_learner_sleep"] = time.perf_counter() - t
+            t = time.perf_counter()
+            await self._all_generators("wake", ["weights"])
+            m["time_generator_wake_weights"] = time.perf_counter() - t
+        else:
+            t = time.perf_counter()
+            await self._all_generators("pause")
+            m["time_generator_pause"] = time.perf_counter() - t
+        if trained:
+            m["time_weight_sync"] = await self.sync_weights(self.version + 1)
+            self.version += 1
+        await self._all_generators("set_version", self.version)
+        if colocated:
+            t = time.perf_counter()
+            await self._all_generators("wake", ["kv_cache"])
+            m["time_generator_wake_kv"] = time.perf_counter() - t
+        else:
+            await self._all_generators("resume")
+        m["time_step"] = time.perf_counter() - t0
+        m["policy_version"] = float(self.version)
+        tokens = m.get("train_tokens", 0.0)
+        m["tokens_per_s"] = tokens / m["time_step"] if m["time_step"] > 0 else 0.0
+        m.update(await self.queue_depths())
+        return m
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.run_dir / "checkpoints" / f"step_{step:06d}"
+
+    async def save_checkpoint(self, step: int) -> Path:
+        path = self.checkpoint_dir(step)
+        path.mkdir(parents=True, exist_ok=True)
+        await call(self.learner, "save", str(path / "learner"))
+        state = {"step": step, "version": self.version, "cursor": self.cursor.state(),
+                 "outcomes": _count(self.ledger.values())}
+        (path / "coordinator.json").write_text(json.dumps(state))
+        (self.run_dir / "checkpoints" / "latest").write_text(path.name)
+        return path
+
+    @staticmethod
+    def latest_checkpoint(run_dir: Path) -> Path | None:
+        marker = Path(run_dir) / "checkpoints" / "latest"
+        if not marker.exists():
+            return None
+        path = marker.parent / marker.read_text().strip()
+        return path if (path / "coordinator.json").exists() else None
+
+    async def resume_from(self, path: Path) -> None:
+        state = json.loads((path / "coordinator.json").read_text())
+        await call(self.learner, "load", str(path / "learner"))
+        self.step = state["step"] + 1
+        self.version = state["version"]
+        c = state["cursor"]
+        self.cursor = DataCursor(len(self.train_items), c["seed"], c["epoch"], c["position"])
+        # The generators start from the initial weights: give them the checkpoint's.
+        await self._all_generators("wake", ["weights"])
+        await self.sync_weights(self.version)
+        await self._all_generators("set_version", self.version)
+        await self._all_generators("wake", ["kv_cache"])
+
+    def attach_metrics(self, run_dir: str, console: bool, wandb_cfg: dict) -> None:
+        """Inside the actor: its own JSON log and the run's metrics.jsonl."""
+        from launch.logs import setup_logging
+        from launch.metrics import MetricsLogger
+
+        self.log = setup_logging(run_dir, "coordinator", console=False)
+        self.metrics_logger = MetricsLogger(run_dir, console=console, wandb_cfg=wandb_cfg,
+                                            run_config=msgspec.to_builtins(self.cfg))
+
+    async def initial_sync(self, warm_start_metrics: dict[str, float]) -> None:
+        """After a warm start the generators hold the initial weights: give them version 0."""
+        if not warm_start_metrics:
+            return
+        if self.log is not None:
+            self.log.info("warm-start done", **{k: round(v, 4) for k, v in warm_start_metrics.items()})
+        await self._all_generators("wake", ["weights"])
+        await self.sync_weights(self.version)
+        await self._all_generators("set_version", self.version)
+        await self._all_generators("wake", ["kv_cache"])
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    async def run(self) -> dict[str, Any]:
+        cfg = self.cfg.coordinator
+        await self.connect()
+        started = time.monotonic()
+        per_step = self.cfg.coordinator.prompts_per_step
+        pending: list[tuple[int, list[str]]] = []  # async mode: steps published ahead
+
+        async def publish_step(step: int) -> None:
+            tasks = self._tasks(step, self.cursor.take(per_step), self.version)
+            pending.append((step, await self._publish(tasks)))
+
+        first = self.step
+        if self.step == 0 and cfg.eval_every:
+            await self._log_eval(await self._eval())
+        if self.step < cfg.steps:
+            await publish_step(self.step)
+        while self.step < cfg.steps and not self._stop:
+            step, task_ids = pending.pop(0)
+            ahead = None
+            if cfg.mode == "async" and step + 1 < cfg.steps and len(pending) < self.cfg.assembler.max_staleness:
+                ahead = lambda s=step + 1: publish_step(s)
+            m = await self.run_step(step, task_ids, next_publish=ahead)
+            if cfg.mode == "colocated" or not pending:
+                if step + 1 < cfg.steps:
+                    await publish_step(step + 1)
+            self.history.append(m)
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+                m.update(await self._eval())
+            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                t = time.perf_counter()
+                await self.save_checkpoint(step)
+                m["time_checkpoint"] = time.perf_counter() - t
+            if self.metrics_logger is not None:
+                self.metrics_logger.log_step(step, m)
+            if self.log is not None:
+                self.log.info("step", step=step, reward=round(m.get("reward_mean", 0), 3),
+                              accuracy=round(m.get("accuracy", 0), 3), eval=m.get("eval_accuracy"),
+                              time_s=round(m["time_step"], 1), trained=int(m.get("prompts_trained", 0)),
+                              dropped=int(m["prompts"] - m.get("prompts_trained", 0)))
+            self.step = step + 1
+            await call(self.assembler, "forget_before", step - 2)
+            if cfg.time_budget_s and time.monotonic() - started > cfg.time_budget_s:
+                break
+        if self.step > first and not (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):
+            await self.save_checkpoint(self.step - 1)
+        return {"steps": self.step, "version": self.version, "outcomes": _count(self.ledger.values()),
+                "ledger_size": len(self.ledger)}
+
+    async def _log_eval(self, result: dict[str, float]) -> None:
+        if result and self.metrics_logger is not None:
+            self.metrics_logger.log_step(-1, result)
+        if result and self.log is not None:
+            self.log.info("eval", step=self.step, **{k: round(v, 3) for k, v in result.items()})
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def get_ledger(self) -> dict[str, str]:
+        return dict(self.ledger)
+
+
+def _count(values) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
+def ray_actor():
+    import ray
+
+    return ray.remote(Coordinator)

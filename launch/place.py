@@ -1,0 +1,148 @@
+"""Creates the actors of one run, starts their loops and drives the coordinator to the end.
+
+Restart policy: generators, scorers and the assembler are restarted by Ray when they die, and
+their in-flight calls (their stream loops) are retried on the new instance, which first takes
+back the messages it held (same consumer name) — so a death costs time, never data. The
+learner and the coordinator hold training state: they are not restarted in place; a run that
+loses them continues with `coordinator.resume=true` from the last checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from launch.config import RunConfig
+
+RESTART = dict(max_restarts=-1, max_task_retries=-1)
+
+
+def _engine_gpus(cfg: RunConfig) -> float:
+    if cfg.generator.engine != "vllm" and cfg.generator.device in ("cpu",):
+        return 0.0
+    if cfg.cluster.gpus_per_node == 0:
+        return 0.0
+    if cfg.coordinator.mode == "colocated":
+        return 0.5 * cfg.generator.tensor_parallel_size if cfg.generator.engine == "vllm" else 0.5
+    return float(cfg.generator.tensor_parallel_size)
+
+
+def create_actors(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_path: str, total_steps: int):
+    import ray
+
+    from actors.assembler import Assembler
+    from actors.generator import GeneratorActor
+    from actors.learner import LearnerActor
+    from actors.scorer import ScorerActor
+
+    hw = cfg.cluster.stream_high_water
+    idle = cfg.cluster.reclaim_idle_s
+    learner_gpus = cfg.learner.num_gpus if cfg.cluster.gpus_per_node else 0.0
+    if cfg.coordinator.mode == "colocated" and learner_gpus:
+        learner_gpus = 0.5
+    learner = LearnerActor.options(name=f"{run_id}:learner", num_cpus=cfg.learner.num_cpus, num_gpus=learner_gpus).remote(
+        cfg.learner, cfg.model, model_path, total_steps, cfg.assembler.micro_batch_tokens,
+        temperature=cfg.generator.temperature, run_dir=str(run_dir))
+    generators = [GeneratorActor.options(name=f"{run_id}:generator-{i}", num_cpus=cfg.generator.num_cpus,
+                                         num_gpus=_engine_gpus(cfg), **RESTART).remote(
+        cfg.generator, cfg.model, model_path, reclaim_idle_s=idle, stream_high_water=hw)
+        for i in range(cfg.generator.num_engines)]
+    scorers = [ScorerActor.options(name=f"{run_id}:scorer-{i}", num_cpus=cfg.scorer.num_cpus, **RESTART).remote(
+        cfg.scorer, f"scorer-{i}", reclaim_idle_s=idle) for i in range(cfg.scorer.num_scorers)]
+    assembler = ray.remote(Assembler).options(name=f"{run_id}:assembler", num_cpus=cfg.assembler.num_cpus,
+                                              max_concurrency=64, **RESTART).remote(
+        cfg.assembler, consumer="assembler-0", reclaim_idle_s=idle)
+    return learner, generators, scorers, assembler
+
+
+def warm_start(cfg: RunConfig, learner, items: list, model_path: str, log) -> dict[str, float]:
+    """The tiny recipe's supervised warm-start on gold SQL, so RL starts with some signal."""
+    import random
+
+    import ray
+
+    from launch.run import sft_pairs
+
+    steps = cfg.model.tiny_sft_steps
+    if cfg.model.source != "tiny" or steps <= 0:
+        return {}
+    pairs = sft_pairs(cfg, items, model_path)
+    rng = random.Random(cfg.seed)
+    batch = 16
+    losses = []
+    start = time.perf_counter()
+    for i in range(steps):
+        chunk = rng.sample(pairs, min(batch, len(pairs)))
+        losses.append(ray.get(learner.sft_step.remote(chunk, cfg.model.tiny_sft_lr)))
+        if (i + 1) % max(1, steps // 5) == 0:
+            log.info("warm-start", step=i + 1, of=steps, loss=round(sum(losses[-20:]) / len(losses[-20:]), 4))
+    return {"sft_loss_first": losses[0], "sft_loss_last": sum(losses[-10:]) / len(losses[-10:]),
+            "time_sft": time.perf_counter() - start}
+
+
+def _progress(run_dir: Path, seen: int, log) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return seen
+    lines = path.read_text().splitlines()
+    for line in lines[seen:]:
+        row = json.loads(line)
+        if row.get("step", 0) < 0:
+            print(f"eval  accuracy {row.get('eval_accuracy', 0):.3f}", flush=True)
+            continue
+        ev = f"  eval {row['eval_accuracy']:.3f}" if row.get("eval_accuracy") is not None else ""
+        print(f"step {row['step']:>4}  reward {row.get('reward_mean', 0):.3f}  acc {row.get('accuracy', 0):.3f}"
+              f"  len {row.get('response_len_mean', 0):5.1f}  trained {int(row.get('prompts_trained', 0)):>3}"
+              f"/{int(row.get('prompts', 0))}  {row.get('time_step', 0):5.1f}s{ev}", flush=True)
+    return len(lines)
+
+
+def place_and_run(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_path: str,
+                  train_items: list, eval_items: list, log) -> dict[str, Any]:
+    import ray
+
+    from actors.coordinator import Coordinator
+    from launch.metrics import MetricsLogger
+
+    learner, generators, scorers, assembler = create_actors(cfg, run_id, run_dir, redis_url, model_path,
+                                                            cfg.coordinator.steps)
+    hw = cfg.cluster.stream_high_water
+    loops = [g.run.remote(redis_url, run_id, f"generator-{i}") for i, g in enumerate(generators)]
+    loops += [s.run.remote(redis_url, run_id, hw) for s in scorers]
+    ray.get(assembler.start.remote(redis_url, run_id, hw))
+    ray.get(learner.connect.remote(redis_url, run_id))
+
+    coordinator = ray.remote(Coordinator).options(name=f"{run_id}:coordinator", num_cpus=cfg.coordinator.num_cpus,
+                                                  max_concurrency=8).remote(
+        cfg, run_id, str(run_dir), redis_url, train_items, eval_items, generators=generators, learner=learner,
+        assembler=assembler, metrics_logger=None)
+    ray.get(coordinator.attach_metrics.remote(str(run_dir), cfg.logging.console, {
+        "enabled": cfg.logging.wandb, "project": cfg.logging.wandb_project, "entity": cfg.logging.wandb_entity,
+        "name": run_id}))
+    latest = Coordinator.latest_checkpoint(run_dir) if cfg.coordinator.resume else None
+    if latest is not None:
+        log.info("resuming", checkpoint=str(latest))
+        ray.get(coordinator.resume_from.remote(latest))
+    else:
+        sft = warm_start(cfg, learner, train_items, model_path, log)
+        ray.get(coordinator.initial_sync.remote(sft))
+    done = coordinator.run.remote()
+    seen = 0
+    try:
+        while True:
+            ready, _ = ray.wait([done] + loops, timeout=1.0)
+            seen = _progress(run_dir, seen, log)
+            if done in ready:
+                break
+            for ref in ready:  # a stream loop that ended on its own is an error
+                ray.get(ref)
+        summary = ray.get(done)
+        _progress(run_dir, seen, log)
+        return summary
+    finally:
+        for actor in [*generators, *scorers]:
+            try:
+                actor.stop.remote()
+            except Exception:  # noqa: BLE001
+                pass

@@ -1,0 +1,194 @@
+"""One run, start to finish: data, model, Redis, Ray, the actors, the coordinator's loop.
+
+The whole control loop lives in actors/coordinator.py; this module only prepares inputs,
+places the actors and tears everything down (Ctrl-C and errors included), so that nothing it
+started (Ray workers, redis-server) outlives it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from launch.config import ConfigError, RunConfig, check_inputs
+from launch.logs import setup_logging
+
+# Variables every actor gets, whether we started Ray or joined a cluster.
+FORWARDED_PREFIXES = ("WANDB_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_", "ARL_", "VLLM_", "NCCL_", "TORCH_",
+                      "CUDA_", "PYTORCH_", "OMP_", "TOKENIZERS_")
+
+
+def run_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)}
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p)
+    return env
+
+
+def resolve_run_dir(cfg: RunConfig) -> tuple[str, Path]:
+    root = Path(cfg.run_root).absolute()
+    run_id = cfg.run_id
+    if cfg.coordinator.resume and not run_id:
+        runs = sorted((p for p in root.glob(f"{cfg.name}-*") if (p / "checkpoints" / "latest").exists()),
+                      key=lambda p: p.stat().st_mtime)
+        if not runs:
+            raise ConfigError(f"config key 'coordinator.resume': no checkpointed run named {cfg.name}-* under {root}")
+        run_id = runs[-1].name
+    if not run_id:
+        run_id = f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid() % 10000:04d}"
+    return run_id, root / run_id
+
+
+def prepare_model_and_data(cfg: RunConfig, run_dir: Path, log) -> tuple[str, str]:
+    """Returns (model_path, bird_dir); builds the synthetic task and the tiny model when asked."""
+    bird_dir = cfg.data.bird_dir
+    if cfg.data.synthetic:
+        from tasks.synthetic import write_dataset
+
+        bird_dir = str(run_dir / "data")
+        if not (Path(bird_dir) / "train.json").exists():
+            log.info("building synthetic task", dir=bird_dir, databases=cfg.data.synthetic_databases,
+                     questions=cfg.data.synthetic_questions)
+            write_dataset(bird_dir, cfg.data.synthetic_databases, cfg.data.synthetic_questions, cfg.data.synthetic_seed)
+    model_path = cfg.model.path
+    if cfg.model.source == "tiny":
+        from tasks.synthetic import texts_for_tokenizer
+        from tasks.tiny_model import build_tiny
+
+        model_path = str(run_dir / "model")
+        log.info("building tiny tokenizer and model", dir=model_path)
+        build_tiny(model_path, texts_for_tokenizer(bird_dir), seed=cfg.seed, model_cfg=cfg.model)
+    elif not cfg.model.allow_download and not Path(model_path).exists():
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a hub id then loads only from the local cache
+    return model_path, bird_dir
+
+
+def load_prompts(cfg: RunConfig, model_path: str, bird_dir: str, log) -> tuple[list, list]:
+    from transformers import AutoTokenizer
+
+    from tasks.bird import build_prompts, load_split
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path,
+                                                  trust_remote_code=cfg.model.trust_remote_code)
+    except OSError as e:
+        raise ConfigError(f"config key 'model.path': cannot load a tokenizer from {model_path!r} "
+                          f"({str(e).splitlines()[0]})") from None
+    style = "compact" if cfg.model.source == "tiny" else "omnisql"
+    out = []
+    for split, limit in ((cfg.data.train_split, cfg.data.limit), (cfg.data.eval_split, cfg.data.eval_size)):
+        questions = load_split(bird_dir, split)
+        if limit:
+            questions = questions[:limit]
+        items, dropped = build_prompts(questions, tokenizer, cfg.data.max_prompt_tokens, style=style,
+                                       sample_values=cfg.data.sample_values)
+        log.info("prompts", split=split, kept=len(items), dropped_over_budget=dropped)
+        out.append(items)
+    if not out[0]:
+        raise ConfigError(f"config key 'data.max_prompt_tokens': every {cfg.data.train_split} prompt is over "
+                          f"{cfg.data.max_prompt_tokens} tokens")
+    return out[0], out[1]
+
+
+def start_redis(cfg: RunConfig, run_dir: Path, log):
+    """(url, embedded server or None): REDIS_URL / cluster.redis_url, else an embedded server."""
+    url = cfg.cluster.redis_url or os.environ.get("REDIS_URL", "")
+    if url:
+        return url, None
+    from queues.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis(run_dir, persistence=cfg.cluster.redis_persistence).start()
+    return server.url, server
+
+
+def start_ray(cfg: RunConfig, run_dir: Path, log) -> None:
+    import ray
+
+    address = cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS", "")
+    runtime_env = {"env_vars": run_env()}
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
+    else:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        ray.init(num_cpus=cfg.cluster.num_cpus or None, num_gpus=cfg.cluster.gpus_per_node or None,
+                 include_dashboard=True, dashboard_host=cfg.cluster.dashboard_host, runtime_env=runtime_env,
+                 log_to_driver=False, _temp_dir=os.environ.get("ARL_RAY_TMP") or None)
+
+
+def sft_pairs(cfg: RunConfig, items: list, model_path: str) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, gold SQL ids + eos) for the tiny recipe's supervised warm-start."""
+    from transformers import AutoTokenizer
+
+    from queues.messages import unpack_ids
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    pairs = []
+    for it in items:
+        target = tok.encode(" " + it.gold_sql, add_special_tokens=False) + [tok.eos_token_id]
+        pairs.append((unpack_ids(it.prompt_tokens).tolist(), target))
+    return pairs
+
+
+def run(cfg: RunConfig) -> int:
+    check_inputs(cfg)
+    run_id, run_dir = resolve_run_dir(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.run_id = run_id
+    log = setup_logging(run_dir, "launcher", level=cfg.logging.level, console=cfg.logging.console)
+    (run_dir / "config.json").write_bytes(msgspec.json.format(msgspec.json.encode(cfg), indent=2))
+    redis_server = None
+    interrupted = {"flag": False}
+
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        model_path, bird_dir = prepare_model_and_data(cfg, run_dir, log)
+        train_items, eval_items = load_prompts(cfg, model_path, bird_dir, log)
+        redis_url, redis_server = start_redis(cfg, run_dir, log)
+        start_ray(cfg, run_dir, log)
+        import ray
+
+        log.info("run started", run_id=run_id, run_dir=str(run_dir), redis=redis_server.socket_path if redis_server else
+                 "external", dashboard=_dashboard_url())
+        from launch.place import place_and_run
+
+        summary = place_and_run(cfg, run_id, run_dir, redis_url, model_path, train_items, eval_items, log)
+        log.info("run finished", **{k: v for k, v in summary.items() if k != "outcomes"}, **{
+            f"prompts_{k}": v for k, v in summary["outcomes"].items()})
+        print(f"run directory: {run_dir}\nmetrics: {run_dir / 'metrics.jsonl'}\n"
+              f"plot: python -m launch.report {run_dir}", flush=True)
+        return 0
+    except KeyboardInterrupt:
+        interrupted["flag"] = True
+        log.warning("interrupted: shutting down")
+        return 130
+    finally:
+        try:
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
+        except Exception:  # noqa: BLE001 - teardown must reach redis
+            pass
+        if redis_server is not None:
+            redis_server.stop()
+
+
+def _dashboard_url() -> str:
+    try:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        url = getattr(ray, "_private").worker.get_dashboard_url() if hasattr(ray, "_private") else ""
+        return f"http://{url}" if url and not url.startswith("http") else (url or "n/a")
+    except Exception:  # noqa: BLE001
+        return "n/a"
