@@ -342,12 +342,12 @@ class SqlPool:
                         status, rows, error, seconds = w.conn.recv()
                         self._finish(w, ExecResult(status, rows, error, seconds))
                     except (EOFError, OSError):  # died mid-query (e.g. killed by the kernel)
+                        self._replace(i)  # replaced before answering: callers never see a dead worker
                         self._finish(w, ExecResult(ERROR, error="worker process died while running the query"))
-                        self._replace(i)
                 elif time.monotonic() > w.deadline:
+                    self._replace(i)
                     self._finish(w, ExecResult(TIMEOUT, error=f"exceeded {self.timeout_s:g} s (worker killed)",
                                                seconds=self.timeout_s + self.grace_s))
-                    self._replace(i)
 
     def _finish(self, w: _Worker, result: ExecResult) -> None:
         job, w.job = w.job, None
@@ -431,7 +431,8 @@ async def score_group(pool: SqlPool, db_path: str, gold_sql: str, completion_tex
     """Scores one prompt's completions: gold once (cached), each distinct predicted SQL once."""
     from policies.sql_reward import extract_sql, reward_for, verdict_for
 
-    gold_fut = gold_cache.get_future(pool, db_path, gold_sql) if gold_cache else pool.submit(db_path, gold_sql)
+    gold_fut = (gold_cache.get_future(pool, db_path, gold_sql) if gold_cache is not None
+                else pool.submit(db_path, gold_sql))
     preds = [extract_sql(t) for t in completion_texts]
     distinct = sorted({p for p in preds if p is not None})
     pred_futs = {sql: pool.submit(db_path, sql) for sql in distinct}
