@@ -1,0 +1,191 @@
+"""Generator over a real redis-server and a real tiny transformers model: streaming, one group
+per task, acks after publish, error groups, pause/resume, reclaim, version stamps."""
+import asyncio
+import time
+
+import pytest
+import torch
+
+from actors.engines.hf import TransformersEngine
+from actors.generator import Generator
+from launch.config import GeneratorConfig, ModelConfig
+from queues.messages import PromptTask, RolloutGroup, codec, pack_ids
+from queues.streams import Stream, connect
+from tasks.tiny_model import build_tiny
+
+torch.set_num_threads(1)
+
+MODEL_CFG = ModelConfig(source="tiny", dtype="float32")
+GEN_CFG = GeneratorConfig(engine="transformers", device="cpu", max_tokens=8, max_inflight_prompts=16,
+                          max_batch_prompts=16)
+RUN = "gen-test"
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return build_tiny(tmp_path_factory.mktemp("tiny_model_gen"), model_cfg=MODEL_CFG, seed=0)
+
+
+@pytest.fixture
+def engine(tiny_dir):
+    return TransformersEngine(GEN_CFG, MODEL_CFG, tiny_dir)
+
+
+def task(engine, i, text="SELECT name FROM singer", n=2, **sampling):
+    ids = engine.tokenizer(text)["input_ids"] if text else []
+    return PromptTask(task_id=f"0:{i}:0", prompt_id=f"q{i}", step=0, policy_version=0, prompt_tokens=pack_ids(ids),
+                      n=n, sampling=sampling, published_at=time.time())
+
+
+async def streams(url):
+    redis = await connect(url)
+    prompts = Stream(redis, RUN, "prompts", group="generators")
+    rollouts = Stream(redis, RUN, "rollouts", group="scorers")
+    await prompts.ensure_group()
+    await rollouts.ensure_group()
+    return prompts, rollouts
+
+
+async def collect(rollouts, count, timeout=30.0):
+    """Reads `count` groups off the rollouts stream, stamping each with its arrival time."""
+    got = []
+    deadline = time.monotonic() + timeout
+    while len(got) < count:
+        assert time.monotonic() < deadline, f"only {len(got)} of {count} groups arrived"
+        for eid, data in await rollouts.consume("scorer0", count=32, block_ms=50):
+            got.append((time.time(), codec(RolloutGroup).decode(data)))
+            await rollouts.ack([eid])
+    return got
+
+
+async def stop(gen, runner):
+    gen.stop()
+    await asyncio.wait_for(runner, 20)
+
+
+async def test_each_group_is_streamed_as_it_finishes_and_every_task_yields_one(redis_url, engine):
+    prompts, rollouts = await streams(redis_url)
+    gen = Generator(engine, GEN_CFG)
+    lengths = [2, 2, 250, 250, 3, 4]
+    for i, m in enumerate(lengths):
+        await prompts.publish(codec(PromptTask).encode(task(engine, i, max_tokens=m, temperature=0)))
+    runner = asyncio.create_task(gen.run(redis_url, RUN, "gen0"))
+    got = await collect(rollouts, len(lengths))
+    await stop(gen, runner)
+    by_task = {g.task.task_id: (arrived, g) for arrived, g in got}
+    assert sorted(by_task) == sorted(f"0:{i}:0" for i in range(len(lengths))) and len(got) == len(lengths)
+    first_arrival = min(a for a, _ in got)
+    last_finish = max(g.finished_at for _, g in got)
+    long_gen = max(g.finished_at - g.started_at for _, g in got)
+    assert last_finish - first_arrival > 0.5 * long_gen, "the first group was not published while the long ones ran"
+    for arrived, g in got:
+        assert not g.error and len(g.samples) == 2 and g.generator_id == "gen0"
+        assert g.queued_at <= g.started_at <= g.finished_at <= g.published_at <= arrived
+    assert (await prompts.depth())["pending"] == 0, "every task is acked once published"
+    assert gen.stats()["generator_groups_published"] == len(lengths)
+
+
+async def test_malformed_tasks_get_error_groups_and_the_generator_keeps_serving(redis_url, engine):
+    prompts, rollouts = await streams(redis_url)
+    gen = Generator(engine, GEN_CFG)
+    bad = {
+        "0:0:0": codec(PromptTask).encode(task(engine, 0, text="")),
+        "0:1:0": codec(PromptTask).encode(PromptTask(task_id="0:1:0", prompt_id="q1", step=0, policy_version=0,
+                                                     prompt_tokens=pack_ids([5] * (engine.max_model_len + 3)), n=2)),
+        "0:2:0": codec(PromptTask).encode(task(engine, 2, n=0)),
+        "": b"\x93not a prompt task",
+    }
+    for data in bad.values():
+        await prompts.publish(data)
+    await prompts.publish(codec(PromptTask).encode(task(engine, 9)))
+    runner = asyncio.create_task(gen.run(redis_url, RUN, "gen0"))
+    got = {g.task.task_id: g for _, g in await collect(rollouts, 5)}
+    assert not runner.done()
+    await prompts.publish(codec(PromptTask).encode(task(engine, 10)))  # still serving afterwards
+    got.update({g.task.task_id: g for _, g in await collect(rollouts, 1)})
+    await stop(gen, runner)
+    expect = {"0:0:0": "empty", "0:1:0": "max_position_embeddings", "0:2:0": "n must be", "": "cannot decode"}
+    for tid, words in expect.items():
+        assert words in got[tid].error and "\n" not in got[tid].error and got[tid].samples == []
+    for tid in ("0:9:0", "0:10:0"):
+        assert got[tid].error == "" and len(got[tid].samples) == 2
+    assert gen.stats()["generator_error_groups"] == 4
+    assert (await prompts.depth())["pending"] == 0
+
+
+async def test_pause_returns_after_in_flight_groups_are_published_and_stops_pulling(redis_url, engine):
+    prompts, rollouts = await streams(redis_url)
+    gen = Generator(engine, GEN_CFG)
+    for i in range(4):
+        await prompts.publish(codec(PromptTask).encode(task(engine, i, max_tokens=60)))
+    runner = asyncio.create_task(gen.run(redis_url, RUN, "gen0"))
+    while gen.stats()["generator_inflight_prompts"] == 0:
+        await asyncio.sleep(0.005)
+    await gen.pause()
+    assert gen.stats()["generator_inflight_prompts"] == 0
+    published = gen.stats()["generator_groups_published"]
+    assert published >= 1 and (await prompts.depth())["pending"] == 0
+    assert await rollouts.backlog() == published
+    for i in range(4, 7):
+        await prompts.publish(codec(PromptTask).encode(task(engine, i, max_tokens=4)))
+    await asyncio.sleep(0.4)
+    assert gen.stats()["generator_groups_published"] == published, "a paused generator pulled a task"
+    gen.resume()
+    got = await collect(rollouts, 7)
+    await stop(gen, runner)
+    assert sorted(g.task.task_id for _, g in got) == sorted(f"0:{i}:0" for i in range(7))
+
+
+async def test_tasks_left_pending_by_a_dead_generator_are_reclaimed(redis_url, engine):
+    prompts, rollouts = await streams(redis_url)
+    for i in range(3):
+        await prompts.publish(codec(PromptTask).encode(task(engine, i)))
+    taken = await prompts.consume("dead-gen", count=3, block_ms=100)  # pulled, then the consumer "dies"
+    assert len(taken) == 3
+    gen = Generator(engine, GEN_CFG, reclaim_idle_s=0.2)
+    runner = asyncio.create_task(gen.run(redis_url, RUN, "gen1"))
+    got = await collect(rollouts, 3)
+    await stop(gen, runner)
+    assert sorted(g.task.task_id for _, g in got) == ["0:0:0", "0:1:0", "0:2:0"]
+    assert gen.stats()["generator_tasks_reclaimed"] == 3
+    assert (await prompts.depth())["pending"] == 0
+
+
+async def test_a_slow_task_is_not_stolen_from_a_live_generator(redis_url, engine):
+    """The heartbeat keeps a long in-flight task fresh, so a peer never reclaims (duplicates) it."""
+    prompts, rollouts = await streams(redis_url)
+    await prompts.publish(codec(PromptTask).encode(task(engine, 0, n=4, max_tokens=1500, temperature=0)))
+    worker = Generator(engine, GEN_CFG, reclaim_idle_s=0.3)
+    w = asyncio.create_task(worker.run(redis_url, RUN, "worker"))
+    while worker.stats()["generator_inflight_prompts"] == 0:
+        await asyncio.sleep(0.005)
+    peer = Generator(TransformersEngine(GEN_CFG, MODEL_CFG, engine.model.name_or_path), GEN_CFG, reclaim_idle_s=0.3)
+    p = asyncio.create_task(peer.run(redis_url, RUN, "peer"))
+    got = await collect(rollouts, 1)
+    await stop(worker, w)
+    await stop(peer, p)
+    assert got[0][1].generator_id == "worker"
+    assert got[0][1].finished_at - got[0][1].started_at > 1.5, "too quick to test stealing (reclaim every 0.5 s)"
+    assert peer.stats()["generator_tasks_reclaimed"] == 0
+    assert (await rollouts.depth())["lag"] == 0, "a duplicate group was published"
+
+
+async def test_groups_carry_the_policy_version_that_produced_them(redis_url, engine):
+    prompts, rollouts = await streams(redis_url)
+    gen = Generator(engine, GEN_CFG)
+    runner = asyncio.create_task(gen.run(redis_url, RUN, "gen0"))
+    await prompts.publish(codec(PromptTask).encode(task(engine, 0)))
+    (_, first), = await collect(rollouts, 1)
+    await gen.sleep(2)
+    await gen.wake(["weights"])
+    await gen.load_weights(list(engine.model.state_dict().items()), 1)  # (a copy of itself)
+    await gen.finish_weight_update(1)
+    await gen.wake(["kv_cache"])
+    gen.resume()
+    await prompts.publish(codec(PromptTask).encode(task(engine, 1)))
+    (_, second), = await collect(rollouts, 1)
+    gen.set_version(5)
+    await prompts.publish(codec(PromptTask).encode(task(engine, 2)))
+    (_, third), = await collect(rollouts, 1)
+    await stop(gen, runner)
+    assert (first.policy_version, second.policy_version, third.policy_version) == (0, 1, 5)
