@@ -1,0 +1,86 @@
+"""The eval CLI: both prediction formats, BIRD's accuracy rules, per-question output, bad input."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from launch.eval import main
+from tasks.bird import load_split
+from tasks.synthetic import write_dataset
+
+SEP = "\t----- bird -----\t"
+
+
+@pytest.fixture(scope="module")
+def bird(tmp_path_factory):
+    return write_dataset(tmp_path_factory.mktemp("evalbird") / "syn", num_databases=2, num_questions=40, seed=1)
+
+
+def _predictions(questions):
+    """Question i: gold (0, 1, 2 mod 6 and the reordered/duplicated variants), wrong, error, missing."""
+    preds = {}
+    for i, q in enumerate(questions):
+        kind = i % 6
+        if kind in (0, 1):
+            preds[i] = q.sql
+        elif kind == 2:  # same rows, different order and duplicates: still correct under BIRD's rule
+            preds[i] = f"SELECT * FROM ({q.sql}) UNION ALL SELECT * FROM ({q.sql})"
+        elif kind == 3:
+            preds[i] = "SELECT 123456789"
+        elif kind == 4:
+            preds[i] = "SELECT no_such_column FROM nowhere"
+        # kind 5: no prediction
+    return preds
+
+
+def test_official_format_accuracy_and_out_file(bird, tmp_path, capsys):
+    qs = load_split(bird, "dev")
+    preds = _predictions(qs)
+    path = tmp_path / "predict_dev.json"
+    path.write_text(json.dumps({str(i): f"{sql}{SEP}{qs[i].db_id}" for i, sql in preds.items()}))
+    out = tmp_path / "results.jsonl"
+    assert main(["--bird-dir", str(bird), "--split", "dev", "--predictions", str(path), "--out", str(out),
+                 "--timeout", "5", "--workers", "2"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == len(qs)
+    expected = {0: "match", 1: "match", 2: "match", 3: "wrong_result", 4: "sql_error", 5: "no_sql"}
+    for i, r in enumerate(rows):
+        assert r["verdict"] == expected[i % 6], (i, r)
+        assert r["reward"] == {"match": 1.0, "wrong_result": 0.1}.get(r["verdict"], 0.0)
+    printed = capsys.readouterr().out
+    acc = 100 * sum(r["correct"] for r in rows) / len(rows)
+    assert f"{'total':<12} {len(qs):>6} {acc:>7.2f}" in printed
+    assert "simple" in printed and "question(s) had no prediction" in printed
+
+
+def test_jsonl_format_and_module_entry_point(bird, tmp_path):
+    qs = load_split(bird, "dev")
+    path = tmp_path / "preds.jsonl"
+    path.write_text("\n".join(json.dumps({"question_id": q.question_id, "sql": q.sql}) for q in qs) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "launch.eval", "--bird-dir", str(bird), "--predictions", str(path),
+                           "--workers", "1"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert f"{'total':<12} {len(qs):>6} {100.0:>7.2f}" in proc.stdout
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "predictions file not found"),
+    ("{not json", "not valid JSON"),
+    ('{"999": "SELECT 1\\t----- bird -----\\tretail"}', "question index 999 is outside the split"),
+    ('{"0": "SELECT 1\\t----- bird -----\\twrong_db"}', "names db_id 'wrong_db'"),
+    ('{"question_id": "nope", "sql": "SELECT 1"}\n', "question_id 'nope' is not in the split"),
+    ('{"question_id": "0"}\n', "needs fields 'question_id' and 'sql'"),
+])
+def test_bad_predictions_exit_2_with_one_line(bird, tmp_path, capsys, content, message):
+    path = tmp_path / "p.json"
+    if content is not None:
+        path.write_text(content)
+    assert main(["--bird-dir", str(bird), "--predictions", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+def test_bad_bird_dir_exits_2(tmp_path, capsys):
+    assert main(["--bird-dir", str(tmp_path / "missing"), "--predictions", str(tmp_path / "p.json")]) == 2
+    assert "BIRD directory not found" in capsys.readouterr().err
