@@ -330,9 +330,12 @@ class Learner:
         for epoch in range(c.update_epochs):
             ep_sums: dict[str, float] = {}
             ep_w: dict[str, float] = {}
+            ep_ratio_max = 0.0
+            ep_losses: list[tuple[float, float]] = []
             for minibatch in batch.minibatches:
                 mb_items = [items[i] for i in minibatch]
                 norm = self._normalizer(mb_items)
+                mb_pg = mb_loss = 0.0
                 for j, it in enumerate(mb_items):
                     pb: PackedBatch = it["packed"]
                     self.engine.set_gradient_accumulation_boundary(j == len(mb_items) - 1)
@@ -346,25 +349,33 @@ class Learner:
                     self.engine.backward(loss)
                     tokens_fwd += pb.num_tokens
                     w = m.pop("num_tokens")
-                    ratio_max = max(ratio_max, m.pop("ratio_max"))
+                    ep_ratio_max = max(ep_ratio_max, m.pop("ratio_max"))
                     m.pop("ratio_min", None)
-                    m["loss"] = float(loss.detach()) * norm / max(w, 1.0)  # this micro-batch's own mean
+                    # Micro-batch losses are shares of the minibatch loss (same normaliser): they add up.
+                    mb_pg += m.pop("pg_loss")
+                    mb_loss += float(loss.detach())
                     for k, v in m.items():
                         for acc, wacc in ((sums, weights), (ep_sums, ep_w)):
                             acc[k] = acc.get(k, 0.0) + v * w
                             wacc[k] = wacc.get(k, 0.0) + w
                 grad_norms.append(self._optimizer_step())
+                ep_losses.append((mb_pg, mb_loss))
             per_epoch.append({k: ep_sums[k] / ep_w[k] if ep_w[k] else 0.0 for k in ep_sums})
+            per_epoch[-1].update(ratio_max=ep_ratio_max, pg_loss=sum(x for x, _ in ep_losses) / len(ep_losses),
+                                 loss=sum(y for _, y in ep_losses) / len(ep_losses))
+            ratio_max = max(ratio_max, ep_ratio_max)
         self.scheduler.step()
         self.step += 1
         elapsed = time.perf_counter() - t0
 
         metrics = {k: sums[k] / weights[k] if weights[k] else 0.0 for k in sums}
+        metrics["pg_loss"] = sum(e["pg_loss"] for e in per_epoch) / len(per_epoch)
+        metrics["loss"] = sum(e["loss"] for e in per_epoch) / len(per_epoch)
         metrics = self._reduce(metrics)
         if c.update_epochs > 1:
             for e, em in enumerate(per_epoch):
                 em = self._reduce(em)
-                for k in ("ratio_mean", "ppo_kl", "clipfrac", "pg_loss"):
+                for k in ("ratio_mean", "ratio_max", "ppo_kl", "clipfrac", "pg_loss"):
                     if k in em:
                         metrics[f"epoch{e}/{k}"] = em[k]
         n_loss = float(sum(it["packed"].num_loss_tokens for it in items))
@@ -372,7 +383,7 @@ class Learner:
         totals = self._reduce({"num_loss_tokens": n_loss, "num_tokens": n_tokens,
                                "tokens_fwd": float(tokens_fwd)}, op="sum")
         metrics.update(
-            ratio_max=self._reduce({"r": ratio_max}, op="mean")["r"] if self.world_size > 1 else ratio_max,
+            ratio_max=self._reduce({"r": ratio_max})["r"],
             grad_norm=float(sum(grad_norms) / len(grad_norms)),
             grad_norm_max=float(max(grad_norms)),
             lr=float(self.scheduler.get_last_lr()[0]),
@@ -450,12 +461,12 @@ class Learner:
             return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
         return nullcontext()
 
-    def export_weights(self, bucket_mb: int = 512, device: str = "cpu") -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def export_weights(self, bucket_mb: float = 512, device: str = "cpu") -> Iterator[list[tuple[str, torch.Tensor]]]:
         """HF-named tensors in buckets of about `bucket_mb`, gathered module by module under ZeRO-3.
 
         Tied weights appear once (under their first name, as named_parameters gives them).
         """
-        limit = max(1, int(bucket_mb)) * 2**20
+        limit = max(1, int(bucket_mb * 2**20))
         model = self.engine.module.model
         seen: set[int] = set()
         bucket: list[tuple[str, torch.Tensor]] = []
