@@ -20,6 +20,8 @@ import os
 import socket
 import time
 
+import msgspec
+
 from launch.config import ScorerConfig
 from policies.sql_reward import GENERATION_ERROR, GOLD_FAILED, reward_for
 from queues.messages import RolloutGroup, SchemaError, ScoredGroup, codec
@@ -111,7 +113,7 @@ class ScorerLoop:
         async def handle(entry_id: str, data: bytes) -> None:
             try:
                 group = decode(data)
-            except SchemaError as e:
+            except (SchemaError, msgspec.DecodeError) as e:
                 self.undecodable += 1
                 log.error("dropping undecodable rollouts entry %s: %s", entry_id, e)
                 await rollouts.ack([entry_id])
@@ -150,8 +152,6 @@ if ray is not None:
         """Ray shell around Scorer + ScorerLoop; create with .options(num_cpus=cfg.num_cpus)."""
 
         def __init__(self, cfg: dict, scorer_id: str = "", reclaim_idle_s: float = 30.0):
-            import msgspec
-
             scorer_cfg = msgspec.convert(cfg, ScorerConfig) if isinstance(cfg, dict) else cfg
             self.scorer = Scorer(scorer_cfg, scorer_id)
             self.loop = ScorerLoop(self.scorer, consumer=self.scorer.scorer_id, reclaim_idle_s=reclaim_idle_s)

@@ -1,0 +1,89 @@
+"""The scorer on a synthetic BIRD database: plain class, then the real Redis stream path."""
+import asyncio
+
+import pytest
+
+from actors.scorer import Scorer, ScorerLoop
+from launch.config import ScorerConfig
+from queues.messages import PromptTask, RolloutGroup, Sample, ScoredGroup, codec, pack_ids
+from tasks.bird import load_split
+from tasks.synthetic import write_dataset
+
+
+@pytest.fixture(scope="module")
+def question(tmp_path_factory):
+    bird = write_dataset(tmp_path_factory.mktemp("scorer") / "syn", num_databases=1, num_questions=20, seed=2)
+    return load_split(bird, "dev")[0]
+
+
+@pytest.fixture
+def scorer():
+    s = Scorer(ScorerConfig(workers=2, timeout_s=2.0, max_rows=1000, memory_mb=1024, temp_store_mb=64,
+                            gold_cache_size=8), scorer_id="test-scorer")
+    yield s
+    s.close()
+
+
+def _group(q, texts, error="", prompt_id="p0", gold_sql=None):
+    task = PromptTask(task_id=f"0:{prompt_id}:0", prompt_id=prompt_id, step=0, policy_version=0,
+                      prompt_tokens=pack_ids([1, 2, 3]), n=len(texts), db_id=q.db_id, db_path=q.db_path,
+                      gold_sql=q.sql if gold_sql is None else gold_sql, difficulty=q.difficulty)
+    samples = [Sample(tokens=pack_ids([4]), logprobs=b"\0\0\0\0", finish_reason="stop", text=t) for t in texts]
+    return RolloutGroup(task=task, samples=samples, policy_version=0, error=error)
+
+
+async def test_score_verdicts_rewards_and_stats(scorer, question):
+    texts = [f"<think>easy</think>```sql\n{question.sql}\n```"] * 3 + ["```sql\nSELECT 42\n```", "no idea",
+                                                                        "```sql\nSELEC broken\n```"]
+    scored = await scorer.score(_group(question, texts))
+    assert scored.verdicts == ["match"] * 3 + ["wrong_result", "no_sql", "sql_error"]
+    assert scored.rewards == [1.0] * 3 + [0.1, 0.0, 0.0]
+    assert not scored.gold_failed and scored.scorer_id == "test-scorer" and scored.rollout.task.prompt_id == "p0"
+    await scorer.score(_group(question, texts[:1]))
+    stats = scorer.stats()
+    assert stats["groups"] == 2 and stats["gold_cache_misses"] == 1 and stats["gold_cache_hits"] == 1
+    assert stats["pred_queries"] == 3 + 1 and stats["verdict/match"] == 4
+    assert all(isinstance(v, float) for v in stats.values())
+
+
+async def test_generation_error_and_gold_failed_groups(scorer, question):
+    failed = await scorer.score(_group(question, ["x", "y"], error="engine died"))
+    assert failed.verdicts == ["generation_error"] * 2 and failed.rewards == [0.0, 0.0]
+    bad_gold = await scorer.score(_group(question, [f"```sql\n{question.sql}\n```"], gold_sql="SELECT nope FROM nowhere"))
+    assert bad_gold.gold_failed and bad_gold.verdicts == ["gold_failed"]
+    assert scorer.stats()["gold_failed_groups"] == 1
+
+
+async def test_stream_path_scores_publishes_then_acks(scorer, question, tmp_path):
+    from queues.redis_server import EmbeddedRedis
+    from queues.streams import Stream, connect
+
+    with EmbeddedRedis(tmp_path) as server:
+        redis = await connect(server.url)
+        rollouts = Stream(redis, "t1", "rollouts", group="scorers")
+        scored = Stream(redis, "t1", "scored", group="assembler")
+        await rollouts.ensure_group()
+        await scored.ensure_group()
+        enc = codec(RolloutGroup).encode
+        for i in range(5):
+            await rollouts.publish(enc(_group(question, [f"```sql\n{question.sql}\n```", "nothing"], prompt_id=f"p{i}")))
+        await rollouts.publish(b"\x93garbage")  # undecodable: acked and counted, never retried forever
+        await rollouts.publish(b"\xc1")  # not even msgpack
+        taken = await rollouts.consume("dead-scorer", count=1)  # a scorer that died holding p0
+        assert len(taken) == 1
+        loop = ScorerLoop(scorer, consumer="c1", reclaim_idle_s=0.3)
+        task = asyncio.create_task(loop.run(server.url, "t1"))
+        got = []
+        for _ in range(100):
+            got += await scored.consume("a1", count=10, block_ms=100)
+            if len(got) >= 5:
+                break
+        loop.stop()
+        await asyncio.wait_for(task, 5)
+        groups = [codec(ScoredGroup).decode(d) for _, d in got]
+        assert sorted(g.rollout.task.prompt_id for g in groups) == [f"p{i}" for i in range(5)]
+        assert all(g.verdicts == ["match", "no_sql"] for g in groups)
+        assert loop.undecodable == 2
+        pending = await redis.xpending(rollouts.key, "scorers")
+        assert pending["pending"] == 0  # every consumed message acked after its publish
+        await redis.aclose()
