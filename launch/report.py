@@ -1,0 +1,120 @@
+"""python -m launch.report RUN_DIR [--out FILE.png]: one PNG of a run's metrics.jsonl.
+
+Panels (each drawn only when at least one of its keys has a value; a step missing a key is a gap):
+    reward          reward_mean, eval_accuracy
+    accuracy        accuracy
+    response length response_len_mean
+    stage timings   every key starting with "time_" (seconds per step, one line each)
+Rows are {"step": int, "time": float, ...scalars}; null values (NaN when logged) are skipped.
+
+Invariant: the report either writes a valid PNG and prints its path (exit 0), or prints one line
+naming the problem (missing/empty/unreadable metrics file, nothing to plot) and exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+PANELS: list[tuple[str, list[str], str]] = [
+    ("reward", ["reward_mean", "eval_accuracy"], "reward"),
+    ("accuracy", ["accuracy"], "fraction"),
+    ("response length", ["response_len_mean"], "tokens"),
+]
+TIMING_PREFIX = "time_"
+
+
+class ReportError(ValueError):
+    """A one-line, user-facing report error."""
+
+
+def load_rows(metrics_file: Path) -> list[dict]:
+    if not metrics_file.is_file():
+        raise ReportError(f"no metrics file at {metrics_file}")
+    rows = []
+    for number, line in enumerate(metrics_file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise ReportError(f"{metrics_file}:{number}: not JSON ({e})") from None
+        if not isinstance(row, dict) or "step" not in row:
+            raise ReportError(f"{metrics_file}:{number}: a row needs a JSON object with a \"step\" key")
+        rows.append(row)
+    if not rows:
+        raise ReportError(f"metrics file {metrics_file} is empty")
+    return rows
+
+
+def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of `key` where it is a finite number."""
+    steps, values = [], []
+    for row in rows:
+        v = row.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            steps.append(float(row["step"]))
+            values.append(float(v))
+    return steps, values
+
+
+def panels_for(rows: list[dict]) -> list[tuple[str, list[str], str]]:
+    """The panels that have data, each with only its keys that have data."""
+    timing_keys = sorted({k for row in rows for k in row if k.startswith(TIMING_PREFIX)})
+    out = []
+    for title, keys, unit in PANELS + [("stage timings", timing_keys, "seconds")]:
+        present = [k for k in keys if series(rows, k)[0]]
+        if present:
+            out.append((title, present, unit))
+    return out
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    rows = load_rows(run_dir / "metrics.jsonl")
+    panels = panels_for(rows)
+    if not panels:
+        raise ReportError(f"{run_dir / 'metrics.jsonl'} has none of reward_mean, eval_accuracy, accuracy, "
+                          f"response_len_mean or {TIMING_PREFIX}* keys")
+    out_path = Path(out) if out else run_dir / "report.png"
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.6 * len(panels)), sharex=True, squeeze=False)
+    for ax, (title, keys, unit) in zip(axes[:, 0], panels):
+        for key in keys:
+            steps, values = series(rows, key)
+            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=key)
+        ax.set_title(title)
+        ax.set_ylabel(unit)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
+    axes[-1, 0].set_xlabel("step")
+    fig.suptitle(f"{run_dir.name}: {len(rows)} steps")
+    fig.tight_layout()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, format="png", dpi=100)
+    plt.close(fig)
+    return out_path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m launch.report", description="Plot a run's metrics.jsonl to a PNG.")
+    p.add_argument("run_dir", help="the run directory holding metrics.jsonl")
+    p.add_argument("--out", help="PNG path (default RUN_DIR/report.png)")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        path = write_report(args.run_dir, args.out)
+    except ReportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
