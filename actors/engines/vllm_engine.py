@@ -1,0 +1,220 @@
+"""VLLMEngine: the engine interface over vLLM's v1 AsyncLLM (written against vLLM 0.27-0.32).
+
+Invariants:
+- One `generate(task)` is one vLLM request: SamplingParams(n=..., logprobs=0) over the prompt's
+  token ids (TokensPrompt), FINAL_ONLY output; the group comes back when its n samples end.
+- Log-probs: the engine is built with logprobs_mode="processed_logprobs", so the reported
+  log-prob of a sampled token is taken after temperature scaling, the learner's definition
+  (vLLM's default, "raw_logprobs", is pre-temperature). With top_p < 1 or top_k > 0 vLLM's
+  processed log-probs are renormalised over the kept tokens, which the transformers engine
+  does not do; the PPO ratio is then not exactly 1 at the first update. A warning says so.
+- Sleep mode is always on (enable_sleep_mode=True): sleep(1|2) / wake(tags) map to vLLM's
+  sleep / wake_up; the prefix cache is reset after every weight update.
+- Weights: `load_weights(bucket, version)` sends the bucket through collective_rpc to
+  `WeightLoaderExtension.arl_load_weights` on EVERY worker (tensor-parallel ranks included),
+  which calls model_runner.model.load_weights; `finish_weight_update(version)` sets the version.
+- The user's `engine_kwargs` are deep-converted to plain dicts/lists and passed through;
+  a key that is not an AsyncEngineArgs field is an error naming it, never silently dropped.
+- vLLM is imported lazily; `VLLM_API` below lists every vLLM symbol and parameter this file
+  uses, and tests/test_vllm_adapter.py checks exactly that list against the installed vLLM.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import itertools
+import logging
+import time
+from typing import Any, Iterable, Mapping
+
+from actors.engines.base import Engine, check_wake_tags, prompt_ids, resolve_sampling
+from queues.messages import PromptTask, RolloutGroup, Sample, pack_floats, pack_ids
+
+log = logging.getLogger(__name__)
+
+# Every vLLM symbol the adapter touches: (dotted path, parameter / field names it passes).
+VLLM_API: list[tuple[str, tuple[str, ...]]] = [
+    ("vllm.AsyncEngineArgs", ("model", "tokenizer", "dtype", "tensor_parallel_size", "gpu_memory_utilization",
+                              "enable_prefix_caching", "enforce_eager", "enable_sleep_mode", "seed",
+                              "trust_remote_code", "worker_extension_cls", "logprobs_mode")),
+    ("vllm.SamplingParams", ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "logprobs", "seed",
+                             "skip_special_tokens", "output_kind")),
+    ("vllm.inputs.TokensPrompt", ("prompt_token_ids",)),
+    ("vllm.sampling_params.RequestOutputKind.FINAL_ONLY", ()),
+    ("vllm.v1.engine.async_llm.AsyncLLM.from_engine_args", ("engine_args",)),
+    ("vllm.v1.engine.async_llm.AsyncLLM.generate", ("prompt", "sampling_params", "request_id")),
+    ("vllm.v1.engine.async_llm.AsyncLLM.abort", ("request_id",)),
+    ("vllm.v1.engine.async_llm.AsyncLLM.sleep", ("level",)),
+    ("vllm.v1.engine.async_llm.AsyncLLM.wake_up", ("tags",)),
+    ("vllm.v1.engine.async_llm.AsyncLLM.collective_rpc", ("method", "args")),
+    ("vllm.v1.engine.async_llm.AsyncLLM.reset_prefix_cache", ()),
+    ("vllm.v1.engine.async_llm.AsyncLLM.shutdown", ()),
+]
+
+
+def resolve_symbol(dotted: str) -> Any:
+    """'pkg.mod.Class.attr' -> the object (imports the longest importable module prefix)."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(f"cannot import {dotted}")
+
+
+def _sym(name: str) -> Any:
+    assert any(path == name for path, _ in VLLM_API), f"{name} missing from VLLM_API"
+    return resolve_symbol(name)
+
+
+def plain(value: Any) -> Any:
+    """Deep-converts mappings / sequences (OmegaConf, msgspec, tuples) to dicts and lists."""
+    if isinstance(value, Mapping) or (hasattr(value, "keys") and hasattr(value, "__getitem__")):
+        return {str(k): plain(value[k]) for k in value.keys()}
+    if hasattr(value, "__struct_fields__"):
+        return {f: plain(getattr(value, f)) for f in value.__struct_fields__}
+    if isinstance(value, (list, tuple)) or (hasattr(value, "__iter__") and not isinstance(value, (str, bytes))):
+        return [plain(v) for v in value]
+    return value
+
+
+def engine_arg_fields() -> set[str]:
+    return {f.name for f in dataclasses.fields(_sym("vllm.AsyncEngineArgs"))}
+
+
+def build_engine_args(generator_cfg: Any, model_cfg: Any, model_path: str, known_fields: set[str]) -> dict[str, Any]:
+    """The AsyncEngineArgs keyword dict: ours, then the user's engine_kwargs over them.
+    Raises ValueError naming any key vLLM's AsyncEngineArgs does not have."""
+    args: dict[str, Any] = {
+        "model": model_path,
+        "tokenizer": model_cfg.tokenizer or model_path,
+        "dtype": model_cfg.dtype,
+        "tensor_parallel_size": generator_cfg.tensor_parallel_size,
+        "gpu_memory_utilization": generator_cfg.gpu_memory_utilization,
+        "enable_prefix_caching": generator_cfg.enable_prefix_caching,
+        "enforce_eager": generator_cfg.enforce_eager,
+        "enable_sleep_mode": True,
+        "seed": generator_cfg.seed,
+        "trust_remote_code": model_cfg.trust_remote_code,
+        "worker_extension_cls": f"{__name__}.WeightLoaderExtension",
+        "logprobs_mode": "processed_logprobs",
+    }
+    user = plain(generator_cfg.engine_kwargs or {})
+    if not isinstance(user, dict):
+        raise ValueError(f"generator.engine_kwargs must be a mapping, got {type(generator_cfg.engine_kwargs).__name__}")
+    args.update(user)
+    unknown = sorted(set(args) - known_fields)
+    if unknown:
+        import difflib
+
+        hints = {k: difflib.get_close_matches(k, sorted(known_fields), n=1) for k in unknown}
+        detail = ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items())
+        raise ValueError(f"generator.engine_kwargs: not vLLM AsyncEngineArgs field(s): {detail}")
+    if not args["enable_sleep_mode"]:
+        raise ValueError("generator.engine_kwargs.enable_sleep_mode must stay true (sleep/wake needs it)")
+    return args
+
+
+def sample_from_completion(completion: Any) -> Sample:
+    """A vLLM CompletionOutput -> Sample. Its `logprobs` is one entry per generated token,
+    each a mapping token id -> Logprob (or a FlatLogprobs sequence of such mappings)."""
+    tokens = list(completion.token_ids)
+    lps = []
+    for tok, entry in zip(tokens, completion.logprobs or []):
+        lp = entry[tok]
+        lps.append(float(getattr(lp, "logprob", lp)))
+    if len(lps) != len(tokens):
+        raise ValueError(f"vLLM returned {len(lps)} log-probs for {len(tokens)} tokens (logprobs=0 not honoured?)")
+    reason = completion.finish_reason or "abort"
+    if reason not in ("stop", "length", "abort"):
+        reason = "error"
+    return Sample(tokens=pack_ids(tokens), logprobs=pack_floats(lps), finish_reason=reason, text=completion.text)
+
+
+class WeightLoaderExtension:
+    """Mixed into every vLLM worker (worker_extension_cls): receives one bucket of
+    (name, tensor) pairs by collective_rpc and loads them into this worker's shard."""
+
+    def arl_load_weights(self, named_tensors: list[tuple[str, Any]]) -> int:
+        device = self.device if hasattr(self, "device") else None
+        weights = [(n, t.to(device) if device is not None else t) for n, t in named_tensors]
+        self.model_runner.model.load_weights(weights=weights)
+        return len(weights)
+
+
+class VLLMEngine(Engine):
+    def __init__(self, generator_cfg: Any, model_cfg: Any, model_path: str):
+        self.cfg = generator_cfg
+        self.version = 0
+        args = build_engine_args(generator_cfg, model_cfg, model_path, engine_arg_fields())
+        AsyncEngineArgs = _sym("vllm.AsyncEngineArgs")
+        self.llm = _sym("vllm.v1.engine.async_llm.AsyncLLM.from_engine_args")(AsyncEngineArgs(**args))
+        hf_config = getattr(getattr(self.llm, "model_config", None), "hf_config", None)
+        self.max_model_len = int(getattr(getattr(self.llm, "model_config", None), "max_model_len", 0)
+                                 or getattr(hf_config, "max_position_embeddings", 1 << 30))
+        self.vocab_size = getattr(hf_config, "vocab_size", None)
+        if generator_cfg.top_p < 1 or generator_cfg.top_k > 0:
+            log.warning("vLLM processed log-probs are renormalised by top_p/top_k; the first PPO ratio will not be 1")
+        self._ids = itertools.count()
+        self._inflight: set[str] = set()
+        self._m = {"requests": 0, "tokens": 0, "busy_s": 0.0}
+
+    async def generate(self, task: PromptTask) -> RolloutGroup:
+        s = resolve_sampling(self.cfg, task)
+        ids = prompt_ids(task, self.max_model_len, self.vocab_size)
+        params = _sym("vllm.SamplingParams")(
+            n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else -1,
+            max_tokens=min(s.max_tokens, self.max_model_len - len(ids)), stop=s.stop or None, logprobs=0,
+            seed=s.seed, skip_special_tokens=True, output_kind=_sym("vllm.sampling_params.RequestOutputKind.FINAL_ONLY"),
+        )
+        prompt = _sym("vllm.inputs.TokensPrompt")(prompt_token_ids=ids)
+        request_id = f"{task.task_id}#{next(self._ids)}"
+        started, version = time.time(), self.version
+        self._inflight.add(request_id)
+        self._m["requests"] += 1
+        final = None
+        try:
+            async for out in self.llm.generate(prompt=prompt, sampling_params=params, request_id=request_id):
+                final = out
+        finally:
+            self._inflight.discard(request_id)
+        samples = [sample_from_completion(c) for c in (final.outputs if final is not None else [])]
+        finished = time.time()
+        self._m["tokens"] += sum(len(x.tokens) // 4 for x in samples)
+        self._m["busy_s"] += finished - started
+        return RolloutGroup(task=task, samples=samples, policy_version=version, started_at=started, finished_at=finished)
+
+    async def sleep(self, level: int) -> None:
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        await self.llm.sleep(level=level)
+
+    async def wake(self, tags: list[str] | None = None) -> None:
+        await self.llm.wake_up(tags=check_wake_tags(tags))
+
+    async def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        bucket = [(n, t.detach().cpu() if hasattr(t, "detach") else t) for n, t in named_tensors]
+        await self.llm.collective_rpc(method="arl_load_weights", args=(bucket,))
+
+    async def finish_weight_update(self, version: int) -> None:
+        await self.llm.reset_prefix_cache()  # cached prefixes hold the old weights' KV
+        self.version = int(version)
+
+    def abort(self) -> None:
+        ids = list(self._inflight)
+        if ids:
+            asyncio.get_running_loop().create_task(self.llm.abort(request_id=ids))
+
+    def stats(self) -> dict[str, float]:
+        m = self._m
+        return {"engine_requests": float(m["requests"]), "engine_tokens_generated": float(m["tokens"]),
+                "engine_inflight_requests": float(len(self._inflight)), "policy_version": float(self.version),
+                "simulated": 0.0}
+
+    async def close(self) -> None:
+        self.llm.shutdown()
