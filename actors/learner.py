@@ -290,6 +290,7 @@ class Learner:
         return float(max(1, sum(it["packed"].num_samples for it in items)))
 
     def _reduce(self, values: dict[str, float], op: str = "mean") -> dict[str, float]:
+        """Scalars averaged ("mean"), summed ("sum") or maxed ("max") over ranks."""
         if self.world_size == 1 or not values:
             return values
         import torch.distributed as dist
@@ -297,7 +298,7 @@ class Learner:
         keys = sorted(values)
         t = torch.tensor([values[k] for k in keys], dtype=torch.float64,
                          device=self.device if self.device.type == "cuda" else "cpu")
-        dist.all_reduce(t)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         if op == "mean":
             t /= self.world_size
         return {k: float(v) for k, v in zip(keys, t.tolist())}
@@ -374,7 +375,7 @@ class Learner:
         metrics = self._reduce(metrics)
         if c.update_epochs > 1:
             for e, em in enumerate(per_epoch):
-                em = self._reduce(em)
+                em = {**self._reduce(em), **self._reduce({"ratio_max": em["ratio_max"]}, op="max")}
                 for k in ("ratio_mean", "ratio_max", "ppo_kl", "clipfrac", "pg_loss"):
                     if k in em:
                         metrics[f"epoch{e}/{k}"] = em[k]
@@ -383,7 +384,7 @@ class Learner:
         totals = self._reduce({"num_loss_tokens": n_loss, "num_tokens": n_tokens,
                                "tokens_fwd": float(tokens_fwd)}, op="sum")
         metrics.update(
-            ratio_max=self._reduce({"r": ratio_max})["r"],
+            ratio_max=self._reduce({"r": ratio_max}, op="max")["r"],
             grad_norm=float(sum(grad_norms) / len(grad_norms)),
             grad_norm_max=float(max(grad_norms)),
             lr=float(self.scheduler.get_last_lr()[0]),

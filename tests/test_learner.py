@@ -39,7 +39,7 @@ def learner(model_dir):
     return make_learner(model_dir, update_epochs=2)
 
 
-def make_batch(seed=0, groups=3, n=4, budget=48, minibatches=1, step=0):
+def make_batch(seed=0, groups=3, n=4, budget=48, minibatches=1, step=0, gen_logprob=-5.0):
     g = torch.Generator().manual_seed(seed)
     tgroups = []
     for k in range(groups):
@@ -47,7 +47,7 @@ def make_batch(seed=0, groups=3, n=4, budget=48, minibatches=1, step=0):
         comps = [torch.randint(0, 256, (int(torch.randint(2, 14, (1,), generator=g)),), generator=g) for _ in range(n)]
         tgroups.append(TrainGroup(
             prompt_id=f"p{k}", prompt_tokens=pack_ids(prompt), completions=[pack_ids(c) for c in comps],
-            gen_logprobs=[pack_floats(torch.full((len(c),), -5.0)) for c in comps],
+            gen_logprobs=[pack_floats(torch.full((len(c),), gen_logprob)) for c in comps],
             advantages=torch.randn(n, generator=g).tolist(), rewards=[0.0] * n, policy_version=0))
     pairs = [(gi, s) for gi in range(groups) for s in range(n)]
     lengths = [len(tgroups[gi].prompt_tokens) // 4 + len(tgroups[gi].completions[s]) // 4 for gi, s in pairs]
@@ -199,3 +199,13 @@ def test_lr_schedule_warms_up_then_decays():
     f = lr_lambda("cosine", warmup_steps=2, total_steps=6)
     assert [round(f(s), 4) for s in range(7)] == [0.5, 1.0, 1.0, 0.8536, 0.5, 0.1464, 0.0]
     assert lr_lambda("linear", 0, 4)(2) == 0.5 and lr_lambda("constant", 0, 4)(3) == 1.0
+
+
+def test_kl_entropy_and_truncated_importance_terms_run_through_the_learner(model_dir):
+    learner = make_learner(model_dir, kl_coef=0.1, entropy_coef=0.01, tis_cap=2.0, update_epochs=2)
+    m = learner.train_step(make_batch(seed=10, gen_logprob=-30.0))
+    # The reference model is the starting policy: the first epoch's KL to it is exactly zero.
+    assert m["epoch0/ppo_kl"] == 0.0 and m["kl"] > 0.0  # the second epoch has moved away
+    assert 0.0 < m["entropy"] <= math.log(256)
+    # The sampler's log-probs (-30) are far below the policy's (~ -6): every weight hits the cap.
+    assert m["tis_weight_mean"] == 2.0 and m["tis_capped_frac"] == 1.0
