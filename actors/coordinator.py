@@ -231,8 +231,7 @@ class Coordinator:
             t = time.perf_counter()
             await self._all_generators("wake", ["kv_cache"])
             m["time_generator_wake_kv"] = time.perf_counter() - t
-        else:
-            await self._all_generators("resume")
+        await self._all_generators("resume")  # sleep and pause both stop pulling
         m["time_step"] = time.perf_counter() - t0
         m["policy_version"] = float(self.version)
         tokens = m.get("train_tokens", 0.0)

@@ -27,7 +27,7 @@ import time
 from typing import Any, Iterable
 
 from actors.engines.base import Engine, EngineAsleep, TaskError
-from queues.messages import PromptTask, RolloutGroup, codec
+from queues.messages import Event, PromptTask, RolloutGroup, codec
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class Generator:
         self._paused = False
         self._stop = False
         self._pulling = False
+        self._events = None
         self._loop_bound: asyncio.AbstractEventLoop | None = None
         self._m = {"groups_published": 0, "error_groups": 0, "tasks_reclaimed": 0, "tokens": 0,
                    "queue_wait_s": 0.0, "publish_latency_s": 0.0, "gen_s": 0.0}
@@ -90,6 +91,8 @@ class Generator:
         redis = await connect(redis_url)
         prompts = Stream(redis, run_id, "prompts", group="generators")
         rollouts = Stream(redis, run_id, "rollouts", high_water=self.stream_high_water)
+        # "generated" notices let the coordinator sleep the engines the moment a step is done.
+        self._events = Stream(redis, run_id, "events", high_water=0)
         await prompts.ensure_group()
         heartbeat = asyncio.create_task(self._heartbeat(prompts))
         next_reclaim = 0.0
@@ -152,6 +155,10 @@ class Generator:
             await rollouts.publish(codec(RolloutGroup).encode(group))
             await prompts.ack([eid])
             self._count(group)
+            if self._events is not None:
+                await self._events.publish(codec(Event).encode(Event(
+                    kind="generated", source=self.generator_id, step=group.task.step, task_id=group.task.task_id,
+                    prompt_id=group.task.prompt_id, at=group.published_at)), wait=False)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # Redis gone past its retry budget: leave the task pending for reclaim
@@ -322,3 +329,16 @@ class GeneratorActor:
 
     async def stats(self) -> dict[str, float]:
         return self.gen.stats()
+
+    async def weight_sync_receive(self, message: Any, kind: str = "object_store") -> int | None:
+        """One bucket (or the closing summary) of a bucketed sync; see actors.weight_sync."""
+        from actors import weight_sync
+
+        if getattr(self, "_receiver_kind", None) != kind:
+            cls = weight_sync.ObjectStoreReceiver if kind == "object_store" else weight_sync.CudaIpcReceiver
+            self._receiver = cls(self.gen.load_weights)
+            self._receiver_kind = kind
+        version = await self._receiver.receive(message)
+        if version is not None:
+            await self.gen.finish_weight_update(version)
+        return version
