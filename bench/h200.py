@@ -1,0 +1,788 @@
+"""H200 bench: learner throughput/memory through our Learner (DeepSpeed, +/- liger) and the colocated
+sleep/train/sync handshake with CUDA-IPC weight sync between two processes on one GPU.
+
+    python -m bench.h200                      # MODE=all: learner variants, then the colocated handshake
+    MODE=learner VARIANTS=1.7B:z0:varlen:lk python -m bench.h200
+    MODE=colo python -m bench.h200
+    SMOKE=1 python -m bench.h200              # CPU, tiny shapes: checks the plumbing only
+
+Env: MODE (learner|colo|all), VARIANTS (comma list of model:zero:attn:path[:mbtokens], path in
+plain|liger|lk = liger head + liger rope/rms_norm/swiglu kernels), PROMPTS (groups per step, 1),
+STEPS (timed steps, 2), OUT (results dir). Every variant runs in its own process (liger's kernel
+patch is process-wide); results: $OUT/h200_learner.json, $OUT/h200_colo.json, one table printed last.
+
+attn: "sdpa" is the Learner's own path for a non-flash implementation (policies/packing.py passes a
+block-diagonal [1,1,T,T] mask, so sdpa runs the dense masked kernel over the whole packed row);
+"varlen" registers a transformers attention function ("arl_varlen") that runs causal attention per
+packed sample from the restarting position_ids (torch.nn.attention.varlen.varlen_attn when present,
+else one sdpa(is_causal) call per sample), and sets learner.attn_implementation to a flash name so
+the Learner builds no dense mask. The log-probs of every variant on the same weights and batch are
+compared against the first variant of the same model ("lp_vs_ref").
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+SMOKE = os.environ.get("SMOKE", "") not in ("", "0")
+OUT = os.environ.get("OUT") or "/tmp/arl_h200_out"
+WORK = os.environ.get("ARL_BENCH_WORK", "/tmp/arl_h200")
+os.makedirs(OUT, exist_ok=True)
+os.makedirs(WORK, exist_ok=True)
+
+SHAPES = {
+    "0.6B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "smoke": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=512),
+}
+# BIRD-like lengths: prompt ~3000, response ~1200, 16 samples per prompt.
+LENS = dict(prompt=(2700, 3300), response=(800, 1600), n=16) if not SMOKE else dict(prompt=(20, 40), response=(6, 18), n=4)
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# --------------------------------------------------------------------------- model directories
+
+def build_model_dir(name: str) -> str:
+    """Random-init Qwen3 of shape `name` (seed 0, bf16) + a tiny local tokenizer, saved once."""
+    path = os.path.join(WORK, f"model_{name}")
+    if os.path.exists(os.path.join(path, "config.json")) and os.path.exists(os.path.join(path, "tokenizer.json")):
+        return path
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from tasks.tiny_model import build_tokenizer
+
+    tok = build_tokenizer(None, 300, path)
+    kw = SHAPES[name]
+    cfg = Qwen3Config(tie_word_embeddings=True, max_position_embeddings=40960, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id, **kw)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(path)
+    del model
+    return path
+
+
+# --------------------------------------------------------------------------- varlen attention
+
+_CU_CACHE: dict = {}
+
+
+def _segments(position_ids):
+    """cu_seqlens (int32, device), max length and python boundaries from restarting position ids."""
+    import torch
+
+    key = (position_ids.data_ptr(), tuple(position_ids.shape))
+    hit = _CU_CACHE.get("k")
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    pos = position_ids[0]
+    starts = (pos == 0).nonzero().squeeze(-1).tolist()
+    bounds = starts + [pos.numel()]
+    lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    cu = torch.tensor(bounds, dtype=torch.int32, device=pos.device)
+    val = (cu, max(lens), bounds)
+    _CU_CACHE["k"] = (key, val)
+    return val
+
+
+VARLEN_KERNEL = {"name": "unset"}
+
+
+def _varlen_call(q, k, v, cu, maxlen, scale):
+    """q [T,H,D], k/v [T,Hkv,D] -> [T,H,D], causal within each segment (torch varlen_attn)."""
+    import inspect
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kw = {}
+    if "scale" in params:
+        kw["scale"] = scale
+    if "is_causal" in params:
+        kw["is_causal"] = True
+    elif "window_size" in params:
+        kw["window_size"] = (-1, 0)
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return varlen_attn(q, k, v, cu, cu, maxlen, maxlen, **kw)
+
+
+def _seg_call(q, k, v, bounds, scale):
+    """Same contract as _varlen_call, one sdpa(is_causal) per segment ([1,H,s,D] each)."""
+    import torch
+    import torch.nn.functional as F
+
+    outs = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=qs.shape[1] != ks.shape[1])
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs, 0)
+
+
+def arl_varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers attention function: query [1,H,T,D], key/value [1,Hkv,T,D] -> ([1,T,H,D], None)."""
+    pos = kwargs.get("position_ids")
+    if query.shape[0] != 1 or pos is None:
+        raise RuntimeError("arl_varlen expects one packed row with position_ids")
+    cu, maxlen, bounds = _segments(pos)
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [T,H,D]
+    if VARLEN_KERNEL["name"] == "varlen_attn":
+        out = _varlen_call(q, k, v, cu, maxlen, scaling)
+    else:
+        out = _seg_call(q, k, v, bounds, scaling)
+    return out.unsqueeze(0), None
+
+
+def register_varlen():
+    """Registers 'arl_varlen' and picks the kernel: torch varlen_attn if it runs fwd+bwd and matches
+    the per-segment sdpa reference on this machine, else the per-segment sdpa loop."""
+    import torch
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("arl_varlen", arl_varlen_attention)
+    try:  # no mask for this implementation (older transformers look the name up here)
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionMaskInterface.register("arl_varlen", lambda *a, **k: None)
+    except ImportError:
+        pass
+    VARLEN_KERNEL["name"] = "sdpa_per_sample"
+    VARLEN_KERNEL["check"] = "cpu: varlen_attn not tried"
+    if not torch.cuda.is_available():
+        return VARLEN_KERNEL
+    try:
+        g = torch.Generator(device="cuda").manual_seed(1)
+        bounds = [0, 700, 1500, 2300]
+        T = bounds[-1]
+        mk = lambda h: torch.randn(T, h, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()  # noqa: E731
+        q, k, v = mk(16), mk(8), mk(8)
+        cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+        o1 = _varlen_call(q, k, v, cu, 800, 128 ** -0.5)
+        g1 = torch.autograd.grad(o1.float().square().sum(), (q, k, v))
+        o2 = _seg_call(q, k, v, bounds, 128 ** -0.5)
+        g2 = torch.autograd.grad(o2.float().square().sum(), (q, k, v))
+        err = float((o1.float() - o2.float()).abs().max())
+        gerr = max(float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(g1, g2))
+        ok = err < 2e-2 and gerr < 2e-2
+        VARLEN_KERNEL["check"] = f"varlen_attn vs per-sample sdpa: out max abs {err:.2e}, grad max rel {gerr:.2e}"
+        if ok:
+            VARLEN_KERNEL["name"] = "varlen_attn"
+    except Exception as e:  # noqa: BLE001 - recorded, fall back to the loop
+        VARLEN_KERNEL["check"] = f"varlen_attn failed: {type(e).__name__}: {str(e)[:200]}"
+    return VARLEN_KERNEL
+
+
+# --------------------------------------------------------------------------- batches
+
+def make_groups(n_prompts: int, vocab: int, seed: int):
+    """Random BIRD-shaped groups: (prompt ids, [completion ids]*n)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    groups = []
+    for _ in range(n_prompts):
+        p = rng.integers(1, vocab, int(rng.integers(*LENS["prompt"])))
+        comps = [rng.integers(1, vocab, int(rng.integers(*LENS["response"]))) for _ in range(LENS["n"])]
+        groups.append((p, comps))
+    return groups
+
+
+def make_train_batch(groups, mb_tokens: int, step: int = 0, seed: int = 0):
+    import numpy as np
+    from policies.packing import plan_micro_batches
+    from queues.messages import TrainBatch, TrainGroup, pack_floats, pack_ids
+
+    rng = np.random.default_rng(seed + 1000)
+    tgs, flat, lengths = [], [], []
+    for gi, (p, comps) in enumerate(groups):
+        rewards = rng.integers(0, 2, len(comps)).astype(float)
+        if rewards.std() == 0:
+            rewards[0] = 1 - rewards[0]
+        adv = ((rewards - rewards.mean()) / (rewards.std() + 1e-6)).tolist()
+        tgs.append(TrainGroup(prompt_id=f"p{gi}", prompt_tokens=pack_ids(p), completions=[pack_ids(c) for c in comps],
+                              gen_logprobs=[pack_floats(-rng.random(len(c)).astype("float32")) for c in comps],
+                              advantages=adv, rewards=rewards.tolist(), policy_version=step))
+        for si, c in enumerate(comps):
+            flat.append((gi, si))
+            lengths.append(len(p) + len(c))
+    plan = plan_micro_batches(lengths, mb_tokens)
+    mbs = [[flat[i] for i in mb] for mb in plan]
+    return TrainBatch(step=step, policy_version=step, groups=tgs, micro_batches=mbs, minibatches=[list(range(len(mbs)))],
+                      num_tokens=sum(lengths))
+
+
+def batch_flops(groups, kw, n_params: int) -> tuple[float, float, int]:
+    """(train-pass FLOPs = 6 N T + causal attention fwd+bwd, forward-only FLOPs, T) over every sample."""
+    L, H, hd = kw["num_hidden_layers"], kw["num_attention_heads"], kw["head_dim"]
+    lens = [len(p) + len(c) for p, comps in groups for c in comps]
+    T = sum(lens)
+    s2 = sum(s * s for s in lens)
+    train = 6 * n_params * T + 6 * L * H * hd * s2   # causal: 2*s^2*H*hd per layer fwd (QK^T + PV halved), x3 fwd+bwd
+    fwd = 2 * n_params * T + 2 * L * H * hd * s2
+    return float(train), float(fwd), T
+
+
+def matmul_peak() -> float:
+    import torch
+
+    if not torch.cuda.is_available():
+        return float("nan")
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    torch.cuda.synchronize()
+    peak = 20 * 2 * 8192 ** 3 / (time.perf_counter() - t)
+    del a, b
+    torch.cuda.empty_cache()
+    return peak
+
+
+# --------------------------------------------------------------------------- learner construction
+
+def make_learner(model: str, zero: int, attn: str, path: str, mb_tokens: int, lr: float = 1e-6, **extra):
+    """Our Learner over the saved random model; returns (learner, info). Applies the liger kernel
+    patch first when path == 'lk' (this process only)."""
+    import torch
+    from launch.config import LearnerConfig, ModelConfig
+
+    info = {}
+    if path == "lk":
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen3
+
+        apply_liger_kernel_to_qwen3(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
+    impl = "sdpa"
+    if attn == "varlen":
+        info["varlen"] = dict(register_varlen())
+        impl = "arl_varlen"
+    elif attn != "sdpa":
+        impl = attn
+    mdir = build_model_dir(model)
+    lcfg = LearnerConfig(zero_stage=zero, dtype="bfloat16", lr=lr, use_liger=path in ("liger", "lk"),
+                         gradient_checkpointing=True, device="cuda" if torch.cuda.is_available() else "cpu",
+                         **extra)
+    mcfg = ModelConfig(path=mdir, attn_implementation=impl)
+    t = time.perf_counter()
+    learner = Learner_cls()(lcfg, mcfg, mdir, total_steps=100, micro_batch_tokens=mb_tokens, temperature=1.0)
+    info["init_s"] = round(time.perf_counter() - t, 2)
+    if attn == "varlen":
+        # The model attends per sample from position_ids; tell the packing to build no dense mask.
+        learner.attn_implementation = "flash_attention_2"
+    return learner, info
+
+
+def Learner_cls():
+    from actors.learner import Learner
+
+    return Learner
+
+
+# --------------------------------------------------------------------------- one learner variant
+
+def run_variant(spec: dict) -> dict:
+    import torch
+
+    model, zero, attn, path, mbt = spec["model"], spec["zero"], spec["attn"], spec["path"], spec["mb_tokens"]
+    cuda = torch.cuda.is_available()
+    row = dict(model=model, zero=zero, attn=attn, path=path, mb_tokens=mbt)
+    peak = matmul_peak()
+    row["matmul_tflops"] = round(peak / 1e12, 1) if cuda else None
+    learner, info = make_learner(model, zero, attn, path, mbt)
+    row.update(info)
+    kw = SHAPES[model]
+    n_params = sum(p.numel() for p in learner.engine.module.parameters())
+    if zero == 3:  # partitioned: count from the config
+        h, i, L, V = kw["hidden_size"], kw["intermediate_size"], kw["num_hidden_layers"], kw["vocab_size"]
+        H, Hkv, hd = kw["num_attention_heads"], kw["num_key_value_heads"], kw["head_dim"]
+        n_params = V * h + L * (h * hd * (H + 2 * Hkv) + H * hd * h + 3 * h * i + 2 * h + 2 * hd) + h
+    row["params"] = int(n_params)
+    prompts = int(os.environ.get("PROMPTS", "1"))
+    steps = int(os.environ.get("STEPS", "2"))
+    batches = [make_train_batch(make_groups(prompts, kw["vocab_size"], seed=s), mbt, step=s, seed=s) for s in range(steps + 1)]
+    # log-probs on fixed sequences before any update (same weights in every variant of this model)
+    lp_groups = make_groups(1, kw["vocab_size"], seed=99)
+    seqs = [(lp_groups[0][0], c) for c in lp_groups[0][1][:4]]
+    with torch.no_grad():
+        lps = learner.logprobs(seqs)
+    torch.save([x.float() for x in lps], os.path.join(WORK, f"lp_{model}_{zero}_{attn}_{path}_{mbt}.pt"))
+    if cuda:
+        torch.cuda.synchronize()
+        row["mem_after_init_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+        torch.cuda.reset_peak_memory_stats()
+    times, olds, ms = [], [], []
+    for i, b in enumerate(batches):
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        m = learner.train_step(b)
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+        log(f"  step {i}: {dt:.2f}s old_lp {m['old_logprob_s']:.2f}s micro_batches {m['micro_batches']:.0f} "
+            f"tokens {m['num_tokens']:.0f} loss {m.get('loss', float('nan')):.4f} grad_norm {m['grad_norm']:.3f}")
+        if i > 0:  # step 0 is warm-up
+            times.append(dt)
+            olds.append(m["old_logprob_s"])
+            ms.append(m)
+    groups_flops = [make_groups(prompts, kw["vocab_size"], seed=s) for s in range(1, steps + 1)]
+    tr_f, fw_f, toks = zip(*(batch_flops(g, kw, n_params) for g in groups_flops))
+    step_s = sum(times) / len(times)
+    old_s = sum(olds) / len(olds)
+    T = sum(toks) / len(toks)
+    row.update(
+        tokens_per_step=int(T), micro_batches=int(ms[-1]["micro_batches"]), step_s=round(step_s, 3),
+        old_lp_s=round(old_s, 3), train_s=round(step_s - old_s, 3),
+        tok_s_train=round(T / (step_s - old_s)), tok_s_step=round(T / step_s),
+        learner_tok_s=round(sum(m["tokens_per_s"] for m in ms) / len(ms)),
+    )
+    if cuda:
+        row["mfu_train"] = round(sum(tr_f) / len(tr_f) / (step_s - old_s) / peak, 3)
+        row["mfu_step"] = round((sum(tr_f) + sum(fw_f)) / len(tr_f) / step_s / peak, 3)
+        row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        row["reserved_peak_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+    row["loss_last"] = round(ms[-1].get("loss", float("nan")), 5)
+    return row
+
+
+# --------------------------------------------------------------------------- colocated handshake
+
+def _engine_child(model_dir: str, cmd_q, res_q, device: str, expected_names_only: bool = False):
+    """Generator process: TransformersEngine + a CUDA-IPC receiver, driven by (cmd, arg) messages."""
+    import asyncio
+    import torch
+    from types import SimpleNamespace
+    from actors.engines.hf import TransformersEngine
+
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    gcfg = SimpleNamespace(device=device, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=64, stop=[], seed=0,
+                           max_batch_prompts=16)
+    mcfg = SimpleNamespace(dtype="bfloat16", attn_implementation="sdpa", trust_remote_code=False, allow_download=False,
+                           tokenizer="")
+    cuda = device.startswith("cuda")
+
+    def mem():
+        if not cuda:
+            return {}
+        free, total = torch.cuda.mem_get_info()
+        return dict(alloc_gib=round(torch.cuda.memory_allocated() / 2**30, 3),
+                    reserved_gib=round(torch.cuda.memory_reserved() / 2**30, 3),
+                    device_used_gib=round((total - free) / 2**30, 3))
+
+    t = time.perf_counter()
+    engine = TransformersEngine(gcfg, mcfg, model_dir)
+    from actors.weight_sync import CudaIpcReceiver, expected_from_named
+
+    expected = expected_from_named(engine.model.named_parameters())
+    receiver = CudaIpcReceiver(engine.load_weights, expected=expected) if cuda else None
+    res_q.put(("ready", dict(init_s=round(time.perf_counter() - t, 2), mem=mem())))
+    while True:
+        cmd, arg = cmd_q.get()
+        t = time.perf_counter()
+        try:
+            if cmd == "stop":
+                res_q.put(("ok", {}))
+                break
+            if cmd == "generate":
+                groups = loop.run_until_complete(asyncio.gather(*(engine.generate(task) for task in arg)))
+                if cuda:
+                    torch.cuda.synchronize()
+                from queues.messages import unpack_floats, unpack_ids
+
+                out = [[(unpack_ids(s.tokens).tolist(), unpack_floats(s.logprobs).tolist()) for s in g.samples]
+                       for g in groups]
+                val = dict(groups=out, versions=[g.policy_version for g in groups])
+            elif cmd == "sleep":
+                before = mem()
+                loop.run_until_complete(engine.sleep(arg))
+                val = dict(before=before, after=mem())
+            elif cmd == "wake":
+                before = mem()
+                loop.run_until_complete(engine.wake(arg))
+                val = dict(before=before, after=mem())
+            elif cmd == "ipc":
+                v = loop.run_until_complete(receiver.receive(arg))
+                val = dict(version=v)
+            elif cmd == "load":  # CPU smoke only: named CPU tensors through the queue
+                loop.run_until_complete(engine.load_weights(arg[0], arg[1]))
+                val = {}
+            elif cmd == "finish":
+                loop.run_until_complete(engine.finish_weight_update(arg))
+                val = dict(version=engine.version, mem=mem())
+            elif cmd == "fingerprint":
+                val = dict(fp=fingerprint(engine.model.named_parameters()))
+            elif cmd == "teacher":  # teacher-forced log-probs of (prompt, completion) with the engine's weights
+                prompt, comp = arg
+                ids = torch.tensor([list(prompt) + list(comp)], device=engine.device)
+                with torch.no_grad():
+                    logits = engine.model(input_ids=ids, use_cache=False).logits[0].float()
+                lp = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
+                val = dict(lp=lp.tolist())
+            else:
+                raise ValueError(cmd)
+            val["s"] = round(time.perf_counter() - t, 4)
+            res_q.put(("ok", val))
+        except Exception as e:  # noqa: BLE001 - reported to the parent
+            import traceback
+
+            res_q.put(("error", f"{cmd}: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+
+
+def fingerprint(named) -> dict:
+    """Bitwise fingerprint of bf16 weights: per-tensor int64 sum of the raw 16-bit words, summed with
+    position weights, plus the count of tensors. Equal on both sides <=> (practically) identical bits."""
+    import torch
+
+    total, n, numel = 0, 0, 0
+    for i, (name, p) in enumerate(sorted(named, key=lambda x: x[0])):
+        w = p.detach().contiguous().view(torch.int16).to(torch.int64)
+        s = int(w.sum()) + 7 * int((w * (torch.arange(w.numel(), device=w.device).view(w.shape) % 1009)).sum())
+        total = (total * 1000003 + s) % (1 << 61)
+        n += 1
+        numel += p.numel()
+    return dict(hash=total, tensors=n, numel=numel)
+
+
+def run_colo(spec: dict) -> dict:
+    import torch
+    import torch.multiprocessing as mp
+    from queues.messages import PromptTask, pack_ids
+    from policies.packing import plan_micro_batches
+    from queues.messages import TrainBatch, TrainGroup, pack_floats
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    model = spec["model"]
+    mdir = build_model_dir(model)
+    kw = SHAPES[model]
+    res = dict(model=model, zero=spec["zero"], attn=spec["attn"], path=spec["path"], phases={}, mem={})
+    ph, memr = res["phases"], res["mem"]
+
+    def dev_mem():
+        if not cuda:
+            return {}
+        free, total = torch.cuda.mem_get_info()
+        return dict(learner_alloc_gib=round(torch.cuda.memory_allocated() / 2**30, 3),
+                    device_used_gib=round((total - free) / 2**30, 3))
+
+    ctx = mp.get_context("spawn")
+    cmd_q, res_q = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_engine_child, args=(mdir, cmd_q, res_q, device), daemon=True)
+    t = time.perf_counter()
+    child.start()
+
+    def call(cmd, arg=None, timeout=600):
+        cmd_q.put((cmd, arg))
+        status, val = res_q.get(timeout=timeout)
+        if status == "error":
+            raise RuntimeError(f"engine process: {val}")
+        return val
+
+    st, ready = res_q.get(timeout=600)
+    if st != "ready":
+        raise RuntimeError(ready)
+    ph["engine_init_s"] = round(time.perf_counter() - t, 2)
+    memr["engine_ready"] = ready["mem"]
+    learner, info = make_learner(model, spec["zero"], spec["attn"], spec["path"], spec["mb_tokens"], lr=spec.get("lr", 1e-4),
+                                 offload_optimizer=spec.get("offload", False))
+    ph["learner_init_s"] = info["init_s"]
+    res["varlen"] = info.get("varlen")
+    memr["both_ready"] = dev_mem()
+    learner.sleep()
+    memr["learner_slept_initially"] = dev_mem()
+
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    plen = LENS["prompt"][0] + 300 if not SMOKE else 30
+    prompt = rng.integers(1, kw["vocab_size"], plen).tolist()
+    n = LENS["n"]
+    max_tokens = int(spec.get("max_tokens", 128 if not SMOKE else 8))
+    sampled = PromptTask(task_id="0:0:0", prompt_id="q0", step=0, policy_version=0, prompt_tokens=pack_ids(prompt), n=n,
+                         sampling=dict(max_tokens=max_tokens, temperature=1.0))
+    greedy = PromptTask(task_id="0:1:0", prompt_id="q1", step=0, policy_version=0, prompt_tokens=pack_ids(prompt), n=1,
+                        sampling=dict(max_tokens=32 if not SMOKE else 6, temperature=0.0))
+    # 1. generate (v0)
+    g0 = call("generate", [sampled, greedy])
+    ph["generate_v0_s"] = g0["s"]
+    res["gen_tokens_v0"] = sum(len(s[0]) for s in g0["groups"][0]) + len(g0["groups"][1][0][0])
+    greedy_v0_tokens, greedy_v0_lp = g0["groups"][1][0]
+    # 2. engine sleep(2)
+    s = call("sleep", 2)
+    ph["engine_sleep_s"] = s["s"]
+    memr["engine_sleep_before"], memr["engine_sleep_after"] = s["before"], s["after"]
+    memr["device_after_engine_sleep"] = dev_mem()
+    # 3. learner wake, train step on the sampled group, learner sleep
+    t = time.perf_counter()
+    learner.wake()
+    if cuda:
+        torch.cuda.synchronize()
+    ph["learner_wake_s"] = round(time.perf_counter() - t, 4)
+    comps = [c for c, _ in g0["groups"][0]]
+    lps = [lp for _, lp in g0["groups"][0]]
+    rewards = np.array([float(i % 2) for i in range(n)])
+    adv = ((rewards - rewards.mean()) / (rewards.std() + 1e-6)).tolist()
+    tg = TrainGroup(prompt_id="q0", prompt_tokens=pack_ids(prompt), completions=[pack_ids(c) for c in comps],
+                    gen_logprobs=[pack_floats(np.array(x, dtype="float32")) for x in lps], advantages=adv,
+                    rewards=rewards.tolist(), policy_version=0)
+    lengths = [len(prompt) + len(c) for c in comps]
+    plan = plan_micro_batches(lengths, spec["mb_tokens"])
+    batch = TrainBatch(step=0, policy_version=0, groups=[tg], micro_batches=[[(0, i) for i in mb] for mb in plan],
+                       minibatches=[list(range(len(plan)))], num_tokens=sum(lengths))
+    # teacher-forced log-probs of the engine's own samples before the update: the PPO ratio-1 check
+    with torch.no_grad():
+        lp_before = learner.logprobs([(prompt, c) for c in comps[:4]])
+    res["sampler_vs_learner_v0_maxabs"] = float(max((lp_before[i] - torch.tensor(lps[i])).abs().max() for i in range(len(lp_before))))
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    m = learner.train_step(batch)
+    if cuda:
+        torch.cuda.synchronize()
+    ph["train_step_s"] = round(time.perf_counter() - t, 3)
+    res["train_metrics"] = {k: round(v, 5) for k, v in m.items() if k in ("loss", "ppo_kl", "ratio_mean", "grad_norm", "num_tokens", "micro_batches")}
+    memr["learner_train_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None
+    memr["device_after_train"] = dev_mem()
+    # teacher-forced log-probs of the v0 greedy tokens under the new weights (the learner's own view)
+    with torch.no_grad():
+        lp_v1_of_v0 = learner.logprobs([(prompt, greedy_v0_tokens)])[0]
+    t = time.perf_counter()
+    learner.sleep()
+    if cuda:
+        torch.cuda.synchronize()
+    ph["learner_sleep_s"] = round(time.perf_counter() - t, 4)
+    memr["device_after_learner_sleep"] = dev_mem()
+    # 4. engine wake weights -> CUDA IPC sync -> wake kv_cache -> finish
+    w = call("wake", ["weights"])
+    ph["engine_wake_weights_s"] = w["s"]
+    memr["engine_wake_weights_after"] = w["after"]
+    t = time.perf_counter()
+    bucket_mb = int(spec.get("bucket_mb", 512))
+    if cuda:
+        from actors.weight_sync import CudaIpcSender, SyncSummary
+
+        # export on the GPU: Learner.export_weights defaults to device="cpu", which would send the
+        # weights device->host->device before the IPC copy.
+        sender = CudaIpcSender(lambda mb: learner.export_weights(mb, device="cuda"), bucket_mb=bucket_mb, device="cuda")
+        sender.start(1)
+        nb = 0
+        while True:
+            msg = sender.next_bucket()
+            r = call("ipc", msg)
+            if isinstance(msg, SyncSummary):
+                if r["version"] != 1:
+                    raise RuntimeError(f"receiver returned {r}")
+                res["sync_summary"] = dict(buckets=msg.num_buckets, tensors=msg.num_tensors, gib=round(msg.nbytes / 2**30, 3))
+                break
+            nb += 1
+        sender.abort()
+        del sender
+    else:
+        for bucket in learner.export_weights(bucket_mb, device="cpu"):
+            call("load", (bucket, 1))
+        res["sync_summary"] = dict(transport="cpu queue (SMOKE)")
+    ph["weight_sync_s"] = round(time.perf_counter() - t, 4)
+    res["sync_gbps"] = round(res["sync_summary"].get("gib", 0) * 2**30 / 1e9 / ph["weight_sync_s"], 2) if cuda else None
+    w = call("wake", ["kv_cache"])
+    ph["engine_wake_kv_s"] = w["s"]
+    f = call("finish", 1)
+    memr["engine_after_sync"] = f["mem"]
+    memr["device_after_sync"] = dev_mem()
+    # 5. generate again (v1) and prove the weights
+    g1 = call("generate", [greedy])
+    ph["generate_v1_greedy_s"] = g1["s"]
+    res["engine_version_after"] = g1["versions"][0]
+    greedy_v1_tokens, greedy_v1_lp = g1["groups"][0][0]
+    fp_engine = call("fingerprint")["fp"]
+    fp_learner = fingerprint([(n_, t_) for b in learner.export_weights(bucket_mb, device=device) for n_, t_ in b])
+    res["fingerprint_engine"], res["fingerprint_learner"] = fp_engine, fp_learner
+    res["weights_bitwise_equal"] = fp_engine == fp_learner
+    with torch.no_grad():
+        lp_learner_v1 = learner.logprobs([(prompt, greedy_v1_tokens)])[0]
+    tf_engine_v1 = torch.tensor(call("teacher", (prompt, greedy_v1_tokens))["lp"])
+    e1 = torch.tensor(greedy_v1_lp)
+    e0 = torch.tensor(greedy_v0_lp)
+    res["greedy_tokens_changed"] = greedy_v0_tokens != greedy_v1_tokens
+    res["greedy_first_diff_at"] = next((i for i, (a, b) in enumerate(zip(greedy_v0_tokens, greedy_v1_tokens)) if a != b), None)
+    res["proof"] = dict(
+        engine_v1_vs_learner_v1_maxabs=round(float((e1 - lp_learner_v1).abs().max()), 5),
+        engine_v1_vs_learner_v1_meanabs=round(float((e1 - lp_learner_v1).abs().mean()), 6),
+        engine_v1_vs_engine_teacher_forced_v1_maxabs=round(float((e1 - tf_engine_v1).abs().max()), 5),
+        engine_teacher_v1_vs_learner_v1_maxabs=round(float((tf_engine_v1 - lp_learner_v1).abs().max()), 5),
+        engine_v0_vs_learner_v1_on_v0_tokens_maxabs=round(float((e0 - lp_v1_of_v0).abs().max()), 5),
+        engine_v0_vs_learner_v1_on_v0_tokens_meanabs=round(float((e0 - lp_v1_of_v0).abs().mean()), 6),
+    )
+    call("stop")
+    child.join(timeout=60)
+    return res
+
+
+# --------------------------------------------------------------------------- driver
+
+DEFAULT_VARIANTS = [
+    # model:zero:attn:path:mb_tokens ; the first of each model is the log-prob reference (plain head)
+    "1.7B:0:varlen:plain:32768",
+    "1.7B:0:varlen:lk:32768",
+    "1.7B:0:varlen:liger:32768",
+    "1.7B:0:varlen:lk:16384",
+    "1.7B:3:varlen:lk:32768",
+    "1.7B:0:sdpa:plain:32768",
+    "1.7B:0:sdpa:lk:16384",
+    "0.6B:0:varlen:plain:32768",
+    "0.6B:0:varlen:lk:32768",
+    "0.6B:3:varlen:lk:32768",
+]
+SMOKE_VARIANTS = ["smoke:0:varlen:plain:128", "smoke:0:sdpa:plain:128", "smoke:3:varlen:liger:64"]
+
+
+def parse_variant(s: str) -> dict:
+    parts = s.split(":")
+    model, zero, attn, path = parts[:4]
+    mbt = int(parts[4]) if len(parts) > 4 else (32768 if not SMOKE else 128)
+    return dict(model=model, zero=int(zero), attn=attn, path=path, mb_tokens=mbt)
+
+
+def child_run(flag: str, spec: dict, timeout: int) -> dict:
+    t = time.perf_counter()
+    try:
+        p = subprocess.run([sys.executable, "-m", "bench.h200", flag, json.dumps(spec)], cwd=REPO, timeout=timeout,
+                           capture_output=True, text=True)
+    except subprocess.TimeoutExpired as e:
+        return dict(spec, error=f"timeout after {timeout}s", tail=(e.stdout or "")[-800:] if isinstance(e.stdout, str) else "")
+    rows = [ln[4:] for ln in p.stdout.splitlines() if ln.startswith("ROW ")]
+    for ln in p.stdout.splitlines():
+        if ln.startswith("  step") or ln.startswith("WARN"):
+            log("   ", ln.strip())
+    if p.returncode != 0 or not rows:
+        return dict(spec, error=f"rc={p.returncode}", tail=(p.stderr or p.stdout)[-1500:])
+    row = json.loads(rows[-1])
+    row["wall_s"] = round(time.perf_counter() - t, 1)
+    return row
+
+
+def lp_compare(rows):
+    import torch
+
+    refs = {}
+    for r in rows:
+        if "error" in r:
+            continue
+        f = os.path.join(WORK, f"lp_{r['model']}_{r['zero']}_{r['attn']}_{r['path']}_{r['mb_tokens']}.pt")
+        if not os.path.exists(f):
+            continue
+        lp = torch.cat(torch.load(f))
+        if r["model"] not in refs:
+            refs[r["model"]] = (lp, f"{r['zero']}:{r['attn']}:{r['path']}")
+            r["lp_vs_ref"] = "reference"
+            continue
+        ref, name = refs[r["model"]]
+        d = (lp - ref).abs()
+        r["lp_vs_ref"] = dict(ref=name, max_abs=round(float(d.max()), 5), mean_abs=round(float(d.mean()), 6), n=int(d.numel()))
+
+
+def table(rows):
+    out = ["| model | ZeRO | attn | log-prob path | mb tokens | tokens/step | micro-batches | train tok/s | step tok/s | "
+           "MFU train | MFU step | peak GiB | lp vs ref max / mean |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['model']} | {r['zero']} | {r['attn']} | {r['path']} | {r['mb_tokens']} | error: {r['error']} |")
+            continue
+        lp = r.get("lp_vs_ref")
+        lps = lp if isinstance(lp, str) else (f"{lp['max_abs']} / {lp['mean_abs']}" if lp else "")
+        out.append(f"| {r['model']} | {r['zero']} | {r['attn']} | {r['path']} | {r['mb_tokens']} | {r['tokens_per_step']} | "
+                   f"{r['micro_batches']} | {r['tok_s_train']:,} | {r['tok_s_step']:,} | {r.get('mfu_train')} | "
+                   f"{r.get('mfu_step')} | {r.get('peak_gib')} | {lps} |")
+    return "\n".join(out)
+
+
+def main():
+    if len(sys.argv) > 2 and sys.argv[1] in ("--variant", "--colo", "--build"):
+        os.environ.setdefault("PYTHONUNBUFFERED", "1")
+        if sys.argv[1] == "--build":
+            print(build_model_dir(sys.argv[2]))
+            return
+        spec = json.loads(sys.argv[2])
+        row = run_variant(spec) if sys.argv[1] == "--variant" else run_colo(spec)
+        print("ROW " + json.dumps(row), flush=True)
+        return
+    mode = os.environ.get("MODE", "all")
+    t0 = time.perf_counter()
+    info = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    try:
+        import torch, transformers  # noqa: E401
+        info.update(torch=torch.__version__, transformers=transformers.__version__,
+                    gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
+        import importlib.util
+        info["flash_attn_installed"] = importlib.util.find_spec("flash_attn") is not None
+        for mod in ("deepspeed", "liger_kernel"):
+            try:
+                info[mod] = __import__(mod).__version__
+            except Exception as e:  # noqa: BLE001
+                info[mod] = f"missing ({type(e).__name__})"
+    except Exception as e:  # noqa: BLE001
+        info["error"] = str(e)
+    log("ENV " + json.dumps(info))
+    names = os.environ.get("VARIANTS")
+    variants = [parse_variant(s) for s in (names.split(",") if names else (SMOKE_VARIANTS if SMOKE else DEFAULT_VARIANTS))]
+    budget = float(os.environ.get("BUDGET_S", "1e9"))
+    rows = []
+    if mode in ("learner", "all"):
+        for model in dict.fromkeys(v["model"] for v in variants):
+            t = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "bench.h200", "--build", model], cwd=REPO, check=True, capture_output=True)
+            log(f"built {model} in {time.perf_counter() - t:.1f}s")
+        for v in variants:
+            if time.perf_counter() - t0 > budget:
+                rows.append(dict(v, error="skipped: time budget"))
+                continue
+            log(f"variant {v}")
+            rows.append(child_run("--variant", v, timeout=int(os.environ.get("VARIANT_TIMEOUT", "240"))))
+            log("ROWJSON " + json.dumps(rows[-1]))
+        lp_compare(rows)
+        json.dump(dict(env=info, rows=rows), open(os.path.join(OUT, "h200_learner.json"), "w"), indent=1)
+    colo = None
+    if mode in ("colo", "all"):
+        spec = parse_variant(os.environ.get("COLO", "smoke:0:varlen:plain:128" if SMOKE else "1.7B:0:varlen:lk:32768"))
+        spec["lr"] = float(os.environ.get("COLO_LR", "1e-4"))
+        spec["offload"] = os.environ.get("COLO_OFFLOAD", "0") == "1"
+        subprocess.run([sys.executable, "-m", "bench.h200", "--build", spec["model"]], cwd=REPO, check=True, capture_output=True)
+        log(f"colocated {spec}")
+        colo = child_run("--colo", spec, timeout=int(os.environ.get("COLO_TIMEOUT", "300")))
+        json.dump(dict(env=info, colo=colo), open(os.path.join(OUT, "h200_colo.json"), "w"), indent=1)
+        log("COLO " + json.dumps(colo, indent=1))
+    if rows:
+        log(table(rows))
+    log(f"total {time.perf_counter() - t0:.1f}s")
+
+
+if __name__ == "__main__":
+    main()
