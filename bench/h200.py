@@ -306,6 +306,38 @@ def Learner_cls():
 
 # --------------------------------------------------------------------------- one learner variant
 
+def weight_check(learner, mdir: str) -> dict:
+    """What export_weights gives (what a generator receives) against the saved checkpoint, plus
+    whether lm_head is still tied to the embedding inside the DeepSpeed module."""
+    import glob
+    import torch
+    from safetensors.torch import load_file
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    ref = {}
+    for f in sorted(glob.glob(os.path.join(mdir, "*.safetensors"))):
+        ref.update(load_file(f, device=dev))
+    got = {n: t for b in learner.export_weights(512, device=dev) for n, t in b}
+    m = learner.engine.module.model
+    out = dict(tied=m.lm_head.weight is m.model.embed_tokens.weight, exported=len(got), checkpoint=len(ref),
+               only_exported=sorted(set(got) - set(ref))[:5], only_checkpoint=sorted(set(ref) - set(got))[:5])
+    bad = []
+    for n in sorted(set(got) & set(ref)):
+        a, b = got[n], ref[n].to(got[n].dtype)
+        if a.shape != b.shape or not torch.equal(a, b):
+            bad.append(n)
+    out["mismatched"] = len(bad)
+    out["mismatched_names"] = bad[:5]
+    if not out["tied"]:
+        lm = [p for n, p in m.named_parameters() if n == "lm_head.weight"]
+        if lm:
+            with learner._gathered(lm):
+                e = ref.get("model.embed_tokens.weight")
+                out["lm_head_vs_embed_maxabs"] = float((lm[0].detach().to(dev).float() - e.float()).abs().max()) if e is not None else None
+    del ref, got
+    return out
+
+
 def run_variant(spec: dict) -> dict:
     import torch
 
@@ -323,6 +355,7 @@ def run_variant(spec: dict) -> dict:
         H, Hkv, hd = kw["num_attention_heads"], kw["num_key_value_heads"], kw["head_dim"]
         n_params = V * h + L * (h * hd * (H + 2 * Hkv) + H * hd * h + 3 * h * i + 2 * h + 2 * hd) + h
     row["params"] = int(n_params)
+    row["weights_vs_checkpoint"] = weight_check(learner, build_model_dir(model))
     prompts = int(os.environ.get("PROMPTS", "1"))
     steps = int(os.environ.get("STEPS", "2"))
     batches = [make_train_batch(make_groups(prompts, kw["vocab_size"], seed=s), mbt, step=s, seed=s) for s in range(steps + 1)]
@@ -645,6 +678,54 @@ def run_colo(spec: dict) -> dict:
     return res
 
 
+# --------------------------------------------------------------------------- ZeRO-3 log-prob diagnosis
+
+def run_z3diag(spec: dict) -> dict:
+    """Log-probs on the same weights and sequences, long (~4.2k) and short (first 256 tokens), plus
+    the rotary inv_freq dtype; with fix_rope the inv_freq buffers are recomputed in fp32 and the
+    long log-probs taken again. Saved for the driver to compare ZeRO-0 with ZeRO-3."""
+    import torch
+
+    learner, _ = make_learner(spec["model"], spec["zero"], spec["attn"], spec["path"], spec["mb_tokens"])
+    kw = SHAPES[spec["model"]]
+    g = make_groups(1, kw["vocab_size"], seed=99)
+    long = [(g[0][0], c) for c in g[0][1][:4]]
+    short = [(g[0][0][:128], c[:128]) for c in g[0][1][:4]]
+    row = dict(spec)
+    rot = [(n, m) for n, m in learner.engine.module.named_modules() if hasattr(m, "inv_freq")]
+    n, m = rot[0]
+    cfg = learner.engine.module.model.config
+    rp = getattr(cfg, "rope_parameters", None) or {}
+    theta = float(rp.get("rope_theta", getattr(cfg, "rope_theta", 1e6)))
+    hd = kw["head_dim"]
+    ref = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=m.inv_freq.device) / hd))
+    row.update(inv_freq_dtype=str(m.inv_freq.dtype), inv_freq_maxrel=float(((m.inv_freq.float() - ref).abs() / ref).max()),
+               inv_freq_numel=m.inv_freq.numel(), rotary=n)
+    with torch.no_grad():
+        out = dict(long=[x.float() for x in learner.logprobs(long)], short=[x.float() for x in learner.logprobs(short)])
+        for _, mod in rot:
+            mod.inv_freq = ref.clone()
+            if hasattr(mod, "original_inv_freq"):
+                mod.original_inv_freq = ref.clone()
+        out["long_fixed"] = [x.float() for x in learner.logprobs(long)]
+    torch.save(out, os.path.join(WORK, f"z3diag_{spec['zero']}.pt"))
+    return row
+
+
+def z3diag_compare() -> dict:
+    import torch
+
+    a = torch.load(os.path.join(WORK, "z3diag_0.pt"))
+    b = torch.load(os.path.join(WORK, "z3diag_3.pt"))
+    res = {}
+    for k in ("long", "short", "long_fixed"):
+        d = (torch.cat(a[k]) - torch.cat(b[k])).abs()
+        res[f"z0_vs_z3_{k}"] = dict(max_abs=round(float(d.max()), 5), mean_abs=round(float(d.mean()), 6))
+    d = (torch.cat(a["long"]) - torch.cat(b["long_fixed"])).abs()
+    res["z0_vs_z3_fixed_rope"] = dict(max_abs=round(float(d.max()), 5), mean_abs=round(float(d.mean()), 6))
+    return res
+
+
 # --------------------------------------------------------------------------- driver
 
 DEFAULT_VARIANTS = [
@@ -725,13 +806,14 @@ def table(rows):
 
 
 def main():
-    if len(sys.argv) > 2 and sys.argv[1] in ("--variant", "--colo", "--build"):
+    if len(sys.argv) > 2 and sys.argv[1] in ("--variant", "--colo", "--build", "--z3diag"):
         os.environ.setdefault("PYTHONUNBUFFERED", "1")
         if sys.argv[1] == "--build":
             print(build_model_dir(sys.argv[2]))
             return
         spec = json.loads(sys.argv[2])
-        row = run_variant(spec) if sys.argv[1] == "--variant" else run_colo(spec)
+        fn = {"--variant": run_variant, "--colo": run_colo, "--z3diag": run_z3diag}[sys.argv[1]]
+        row = fn(spec)
         print("ROW " + json.dumps(row), flush=True)
         return
     mode = os.environ.get("MODE", "all")
@@ -745,7 +827,10 @@ def main():
         info["flash_attn_installed"] = importlib.util.find_spec("flash_attn") is not None
         for mod in ("deepspeed", "liger_kernel"):
             try:
-                info[mod] = __import__(mod).__version__
+                from importlib.metadata import version
+
+                __import__(mod)
+                info[mod] = version(mod.replace("_", "-"))
             except Exception as e:  # noqa: BLE001
                 info[mod] = f"missing ({type(e).__name__})"
     except Exception as e:  # noqa: BLE001
@@ -769,9 +854,16 @@ def main():
             log("ROWJSON " + json.dumps(rows[-1]))
         lp_compare(rows)
         json.dump(dict(env=info, rows=rows), open(os.path.join(OUT, "h200_learner.json"), "w"), indent=1)
+    if mode == "z3diag":
+        spec = parse_variant(os.environ.get("Z3DIAG", "smoke:0:varlen:plain:128" if SMOKE else "0.6B:0:varlen:plain:16384"))
+        subprocess.run([sys.executable, "-m", "bench.h200", "--build", spec["model"]], cwd=REPO, check=True, capture_output=True)
+        diag = [child_run("--z3diag", dict(spec, zero=z), timeout=200) for z in (0, 3)]
+        diag.append(z3diag_compare() if all("error" not in r for r in diag) else {})
+        json.dump(diag, open(os.path.join(OUT, "h200_z3diag.json"), "w"), indent=1)
+        log("Z3DIAG " + json.dumps(diag, indent=1))
     colo = None
     if mode in ("colo", "all"):
-        spec = parse_variant(os.environ.get("COLO", "smoke:0:varlen:plain:128" if SMOKE else "1.7B:0:varlen:lk:32768"))
+        spec = parse_variant(os.environ.get("COLO", "smoke:0:varlen:plain:128" if SMOKE else "1.7B:0:varlen:lk:16384"))
         spec["lr"] = float(os.environ.get("COLO_LR", "1e-4"))
         spec["offload"] = os.environ.get("COLO_OFFLOAD", "0") == "1"
         subprocess.run([sys.executable, "-m", "bench.h200", "--build", spec["model"]], cwd=REPO, check=True, capture_output=True)
