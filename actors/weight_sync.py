@@ -732,8 +732,6 @@ class BroadcastSender(_SenderBase, _Broadcaster):
             while True:
                 if store.check([_error_key(version)]):
                     reason = store.get(_error_key(version)).decode()
-                    store.set(_header_key(version, self._index),
-                              encode_message(SyncAbort(version=version, reason=reason)))
                     raise WeightSyncError(f"weight sync v{version} aborted: {reason}")
                 named = self._next_named()
                 if named is None:
@@ -757,6 +755,12 @@ class BroadcastSender(_SenderBase, _Broadcaster):
             if self._buckets is not None:  # stopped mid-stream: tell the receivers instead of leaving them waiting
                 store.set(_header_key(version, self._index),
                           encode_message(SyncAbort(version=version, reason=f"sender: {exc}")))
+                try:
+                    # Wait until every receiver has read the abort: the next send() deletes this
+                    # version's keys, and a receiver that had not read it yet would wait forever.
+                    store.wait([_ack_key(version, rank) for rank in receivers], self.timeout)
+                except Exception:  # noqa: BLE001 - a receiver stuck in a broken broadcast; keep exc
+                    pass
             self.abort()
             raise
 
@@ -826,6 +830,7 @@ class BroadcastReceiver(_ReceiverBase, _Broadcaster):
             raw = await asyncio.to_thread(store.get, _header_key(version, index))
             message = decode_message(raw)
             if isinstance(message, SyncAbort):
+                store.set(_ack_key(version, self.rank), "aborted")  # the sender waits for this
                 self._abort(message)
             if isinstance(message, SyncSummary):
                 if failure is None:

@@ -225,7 +225,7 @@ def _sender_main(rdv_queue, results):
         sender.close()
         results.put(("sender", out))
     except BaseException as exc:  # noqa: BLE001 - reported to the test
-        results.put(("sender", f"crash: {exc!r}"))
+        results.put(("sender", f"crash at v{calls[-1] if calls else None}: {exc!r}"))
 
 
 def _receiver_main(rdv_queue, results, default_port):
@@ -240,6 +240,7 @@ def _receiver_main(rdv_queue, results, default_port):
         receiver.init(rdv_queue.get(timeout=60), rank=1)
         out = {}
         for version in (1, 2, 3):
+            out["at"] = version
             try:
                 out[version] = asyncio.run(receiver.receive_all(version))
             except ws.WeightSyncError as exc:
@@ -255,7 +256,7 @@ def _receiver_main(rdv_queue, results, default_port):
         dist.destroy_process_group()
         results.put(("receiver", out))
     except BaseException as exc:  # noqa: BLE001
-        results.put(("receiver", f"crash: {exc!r}"))
+        results.put(("receiver", f"crash at v{locals().get('version')}: {exc!r}"))
 
 
 @pytest.fixture(scope="module")
@@ -278,8 +279,8 @@ def gloo_run():
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    for who, value in out.items():
-        assert not isinstance(value, str), f"{who}: {value}"
+    crashes = {who: value for who, value in out.items() if isinstance(value, str)}
+    assert not crashes, crashes
     return out
 
 
