@@ -554,47 +554,100 @@ def _deep_merge(base: dict, over: dict) -> dict:
 # Thin Ray shell: the coordinator talks to this; all behaviour lives in Learner.
 
 
-class _LearnerShell:
-    def __init__(self, *args, **kwargs):
-        self.learner = Learner(*args, **kwargs)
+class LearnerShell:
+    """The learner actor: a Learner plus its batches stream and the sender side of weight sync."""
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        return self.learner.train_step(batch)
+    def __init__(self, learner_cfg, model_cfg, model_path: str, total_steps: int, micro_batch_tokens: int,
+                 temperature: float = 1.0, run_dir: str = ""):
+        import torch
 
-    def _optimizer_step(self) -> float:
-        """engine.step() at the accumulation boundary; returns the pre-clip global grad norm."""
-        own = None
-        if type(self.engine.optimizer) is torch.optim.AdamW:
-            # Unwrapped optimizer (ZeRO 0, fp32): DeepSpeed clips but does not report the norm.
-            # Gradients are already all-reduced at the boundary, so this norm is global.
-            grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-            own = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-        self.engine.step()
-        gn = self.engine.get_global_grad_norm() if own is None else own
-        if isinstance(gn, torch.Tensor):
-            gn = gn.item()
-        return float(gn) if gn is not None else float("nan")
+        from launch.logs import setup_logging
 
-    def sft_step(self, pairs, lr: float | None = None) -> float:
+        torch.set_num_threads(max(1, int(learner_cfg.num_cpus)))
+        if run_dir:
+            setup_logging(run_dir, "learner", console=False)
+        self.learner = Learner(learner_cfg, model_cfg, model_path, total_steps, micro_batch_tokens, temperature)
+        self.trained_steps: set[int] = set()
+        self.sender = None
+
+    async def connect(self, redis_url: str, run_id: str) -> None:
+        from queues.streams import Stream, connect
+
+        self.batches = Stream(await connect(redis_url), run_id, "batches", group="learner")
+        await self.batches.ensure_group()
+
+    async def train_from_stream(self, step: int, timeout_s: float = 600.0) -> dict:
+        """Trains on the batch for `step`; ignores (acks) batches of steps already trained."""
+        import asyncio
+        import time as _time
+
+        from queues.messages import TrainBatch, codec
+
+        deadline = _time.monotonic() + timeout_s
+        entries = await self.batches.pending_mine("learner-0")
+        while _time.monotonic() < deadline:
+            if not entries:
+                entries = await self.batches.consume("learner-0", count=4, block_ms=500)
+            for msg_id, data in entries:
+                batch = codec(TrainBatch).decode(data)
+                if batch.step in self.trained_steps or batch.step < step:
+                    await self.batches.ack([msg_id])
+                    continue
+                if batch.step != step:
+                    continue  # a later step's batch: leave it pending for its turn
+                metrics = await asyncio.get_running_loop().run_in_executor(None, self.learner.train_step, batch)
+                self.trained_steps.add(step)
+                await self.batches.ack([msg_id])
+                return metrics
+            entries = []
+        raise TimeoutError(f"learner: no TrainBatch for step {step} within {timeout_s:.0f}s")
+
+    def sft_step(self, pairs, lr=None) -> float:
         return self.learner.sft_step(pairs, lr=lr)
 
-    def export_weights(self, bucket_mb: int = 512) -> list[list[tuple[str, torch.Tensor]]]:
-        return list(self.learner.export_weights(bucket_mb))
+    def weight_sync_start(self, version: int, kind: str, bucket_mb: int) -> None:
+        from actors import weight_sync
+
+        if kind == "object_store":
+            self.sender = weight_sync.ObjectStoreSender(self.learner.export_weights, bucket_mb)
+        else:
+            self.sender = weight_sync.CudaIpcSender(lambda mb: self.learner.export_weights(mb, device="cuda"), bucket_mb)
+        self.sender.start(version)
+
+    def weight_sync_next(self):
+        return self.sender.next_bucket()
+
+    def weight_sync_abort(self) -> None:
+        if self.sender is not None:
+            self.sender.abort()
 
     def save(self, path: str) -> str:
-        return self.learner.save(path)
+        import json
+        import os
+
+        out = self.learner.save(path)
+        with open(os.path.join(path, "trained_steps.json"), "w") as f:
+            json.dump(sorted(self.trained_steps), f)
+        return out
 
     def load(self, path: str) -> int:
-        return self.learner.load(path)
+        import json
+        import os
 
-    def export_hf(self, path: str) -> str:
-        return self.learner.export_hf(path)
+        step = self.learner.load(path)
+        marker = os.path.join(path, "trained_steps.json")
+        if os.path.exists(marker):
+            self.trained_steps = set(json.load(open(marker)))
+        return step
 
     def sleep(self) -> None:
         self.learner.sleep()
 
     def wake(self) -> None:
         self.learner.wake()
+
+    def export_hf(self, path: str) -> str:
+        return self.learner.export_hf(path)
 
     def get_step(self) -> int:
         return self.learner.step
@@ -605,7 +658,7 @@ def __getattr__(name: str):
     if name == "LearnerActor":
         import ray
 
-        actor = ray.remote(_LearnerShell)
+        actor = ray.remote(LearnerShell)
         globals()["LearnerActor"] = actor
         return actor
     raise AttributeError(name)

@@ -41,7 +41,7 @@ def create_actors(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, mo
     learner_gpus = cfg.learner.num_gpus if cfg.cluster.gpus_per_node else 0.0
     if cfg.coordinator.mode == "colocated" and learner_gpus:
         learner_gpus = 0.5
-    learner = LearnerActor.options(name=f"{run_id}:learner", num_cpus=cfg.learner.num_cpus, num_gpus=learner_gpus).remote(
+    learner = LearnerActor.options(max_concurrency=4, name=f"{run_id}:learner", num_cpus=cfg.learner.num_cpus, num_gpus=learner_gpus).remote(
         cfg.learner, cfg.model, model_path, total_steps, cfg.assembler.micro_batch_tokens,
         temperature=cfg.generator.temperature, run_dir=str(run_dir))
     generators = [GeneratorActor.options(name=f"{run_id}:generator-{i}", num_cpus=cfg.generator.num_cpus,
