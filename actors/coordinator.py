@@ -226,6 +226,9 @@ class Coordinator:
         if trained:
             m["time_weight_sync"] = await self.sync_weights(self.version + 1)
             self.version += 1
+        elif colocated and cfg.generator.sleep_level == 2:
+            # Level 2 dropped the engine's weights: give back the unchanged ones.
+            m["time_weight_sync"] = await self.sync_weights(self.version)
         await self._all_generators("set_version", self.version)
         if colocated:
             t = time.perf_counter()
