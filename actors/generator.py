@@ -153,12 +153,14 @@ class Generator:
             group = await self.generate_one(data)
             group.published_at = time.time()
             await rollouts.publish(codec(RolloutGroup).encode(group))
-            await prompts.ack([eid])
-            self._count(group)
+            # The event goes out before the ack: a crash between the two redoes the task (a
+            # duplicate the assembler ignores) instead of losing the event the coordinator awaits.
             if self._events is not None:
                 await self._events.publish(codec(Event).encode(Event(
                     kind="generated", source=self.generator_id, step=group.task.step, task_id=group.task.task_id,
                     prompt_id=group.task.prompt_id, at=group.published_at)), wait=False)
+            await prompts.ack([eid])
+            self._count(group)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # Redis gone past its retry budget: leave the task pending for reclaim
@@ -296,9 +298,33 @@ class GeneratorActor:
 
         self.gen = Generator(make_engine(generator_cfg, model_cfg, model_path), generator_cfg,
                              reclaim_idle_s=reclaim_idle_s, stream_high_water=stream_high_water)
+        # Restarted by Ray after a crash: the engine holds the initial weights, not the run's
+        # current ones. Serve nothing until the coordinator has synced us (see health()).
+        self.reconstructed = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        self.needs_weights = self.reconstructed
+        self._weights_ready = asyncio.Event()
+        if not self.needs_weights:
+            self._weights_ready.set()
+
+    def _weights_loaded(self) -> None:
+        self.needs_weights = False
+        self._weights_ready.set()
 
     async def run(self, redis_url: str, run_id: str, generator_id: str) -> None:
+        await self._weights_ready.wait()  # a restarted generator waits for the current weights
         await self.gen.run(redis_url, run_id, generator_id)
+
+    async def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    async def health(self) -> dict:
+        """What the coordinator checks between and during steps to resync a restarted generator."""
+        import os
+
+        return {"pid": os.getpid(), "version": self.gen.version, "needs_weights": self.needs_weights,
+                "reconstructed": self.reconstructed}
 
     async def pause(self) -> None:
         await self.gen.pause()
@@ -323,6 +349,7 @@ class GeneratorActor:
 
     async def finish_weight_update(self, version: int) -> None:
         await self.gen.finish_weight_update(version)
+        self._weights_loaded()
 
     async def set_version(self, version: int) -> None:
         self.gen.set_version(version)
@@ -341,4 +368,5 @@ class GeneratorActor:
         version = await self._receiver.receive(message)
         if version is not None:
             await self.gen.finish_weight_update(version)
+            self._weights_loaded()
         return version
