@@ -14,6 +14,8 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 from typing import Any
 
@@ -89,8 +91,12 @@ def step_metrics(groups: list[ScoredGroup], outcomes: dict[str, str]) -> dict[st
 class Assembler:
     """Consumes the scored stream; `collect` turns one step's groups into a TrainBatch."""
 
-    def __init__(self, cfg: AssemblerConfig, *, consumer: str = "assembler-0", reclaim_idle_s: float = 30.0):
+    def __init__(self, cfg: AssemblerConfig, *, consumer: str = "assembler-0", reclaim_idle_s: float = 30.0,
+                 redis_url: str = "", run_id: str = "", high_water: int = 4096):
         self.cfg = cfg
+        # Given here (not only to start()) so that an instance Ray restarts after a crash can
+        # connect by itself on its first call.
+        self._start_args = (redis_url, run_id, high_water) if redis_url else None
         self.consumer = consumer
         self.reclaim_idle_ms = int(reclaim_idle_s * 1000)
         self.buffer: dict[str, tuple[str, ScoredGroup]] = {}  # task_id -> (stream id, group)
@@ -103,15 +109,40 @@ class Assembler:
     async def start(self, redis_url: str, run_id: str, high_water: int = 4096) -> None:
         from queues.streams import Stream, connect
 
+        if self._task is not None:
+            return
+        self._start_args = (redis_url, run_id, high_water)
         redis = await connect(redis_url)
         self.scored = Stream(redis, run_id, "scored", group="assembler")
         self.batches = Stream(redis, run_id, "batches", group="learner", high_water=high_water)
+        # Each assembled step's result, written before its groups are acked: a collect that Ray
+        # retries on a restarted instance returns it instead of waiting for acked groups.
+        self.memo_key = f"arl:{run_id}:assembled"
         await self.scored.ensure_group()
         await self.batches.ensure_group()
+        for raw in (await self.scored._call(lambda: self.scored.redis.hvals(self.memo_key))) or []:
+            self.resolved.update(json.loads(raw)["outcomes"])
         # After a restart, first take back what this consumer held when it died.
         for msg_id, data in await self.scored.pending_mine(self.consumer, count=100_000):
             self._take(msg_id, data)
         self._task = asyncio.create_task(self._consume_loop())
+
+    async def _ensure_started(self) -> None:
+        if self._task is None:
+            if self._start_args is None:
+                raise RuntimeError("assembler: start() was never called")
+            await self.start(*self._start_args)
+
+    async def _memo_get(self, key: str) -> dict | None:
+        raw = await self.scored._call(lambda: self.scored.redis.hget(self.memo_key, key))
+        return json.loads(raw) if raw else None
+
+    async def _memo_put(self, key: str, result: dict) -> None:
+        data = json.dumps(result)
+        await self.scored._call(lambda: self.scored.redis.hset(self.memo_key, key, data))
+
+    async def pid(self) -> int:
+        return os.getpid()
 
     def _take(self, msg_id: str, data: bytes) -> None:
         group = codec(ScoredGroup).decode(data)
@@ -148,6 +179,10 @@ class Assembler:
 
     async def collect(self, step: int, task_ids: list[str], version: int, timeout_s: float = 3600.0) -> dict[str, Any]:
         """Assembles `step` from its tasks' groups; publishes the TrainBatch; reports outcomes."""
+        await self._ensure_started()
+        done = await self._memo_get(str(step))
+        if done is not None:  # a retried call (this actor restarted after assembling the step)
+            return done
         missing = await self.wait_for(task_ids, timeout_s)
         outcomes: dict[str, str] = {t: self.resolved[t] for t in task_ids if t in self.resolved}
         for t in missing:
@@ -169,28 +204,52 @@ class Assembler:
             await self.batches.publish(codec(TrainBatch).encode(batch))
             metrics.update(batch.metrics)
             published = True
+        result = {"outcomes": outcomes, "metrics": metrics, "published": published,
+                  "reasons": {t: o for t, o in outcomes.items() if o != TRAINED}}
+        await self._memo_put(str(step), result)
+        self.resolved.update(outcomes)
         await self.scored.ack([self.buffer[t][0] for t in fresh])
         for t in fresh:
-            del self.buffer[t]
-        self.resolved.update(outcomes)
-        return {"outcomes": outcomes, "metrics": metrics, "published": published,
-                "reasons": {t: o for t, o in outcomes.items() if o != TRAINED}}
+            self.buffer.pop(t, None)
+        return result
 
     async def collect_eval(self, task_ids: list[str], timeout_s: float = 600.0) -> dict[str, float]:
         """Execution accuracy of greedy eval groups (never trained)."""
+        await self._ensure_started()
+        key = task_ids[0] if task_ids else "eval:"
+        done = await self._memo_get(key)
+        if done is not None:
+            return done
         await self.wait_for(task_ids, timeout_s)
-        groups = [self.buffer.pop(t) for t in task_ids if t in self.buffer]
-        await self.scored.ack([msg_id for msg_id, _ in groups])
+        groups = [self.buffer[t] for t in task_ids if t in self.buffer]
         verdicts = [g.verdicts[0] if g.verdicts else "failed" for _, g in groups]
         n = max(1, len(task_ids))
-        return {"eval_accuracy": sum(v == "match" for v in verdicts) / n,
-                "eval_valid_sql": sum(v in ("match", "wrong_result") for v in verdicts) / n,
-                "eval_answered": len(groups) / n}
+        result = {"eval_accuracy": sum(v == "match" for v in verdicts) / n,
+                  "eval_valid_sql": sum(v in ("match", "wrong_result") for v in verdicts) / n,
+                  "eval_answered": len(groups) / n}
+        await self._memo_put(key, result)
+        self.resolved.update({t: "eval" for t in task_ids})
+        await self.scored.ack([msg_id for msg_id, _ in groups])
+        for t in task_ids:
+            self.buffer.pop(t, None)
+        return result
 
-    def forget_before(self, task_prefix_step: int) -> None:
-        """Bounds the resolved map: drops outcomes of steps older than the given step."""
-        self.resolved = {t: o for t, o in self.resolved.items()
-                         if not t[:1].isdigit() or int(t.split(":", 1)[0]) >= task_prefix_step}
+    async def forget_before(self, task_prefix_step: int) -> None:
+        """Bounds the resolved map and the memo: drops steps older than the given step, and acks
+        late duplicates of those steps still buffered."""
+        await self._ensure_started()
+
+        def old(t: str) -> bool:
+            return t[:1].isdigit() and int(t.split(":", 1)[0]) < task_prefix_step
+        self.resolved = {t: o for t, o in self.resolved.items() if not old(t)}
+        stale = [t for t in self.buffer if old(t)]
+        if stale:
+            await self.scored.ack([self.buffer.pop(t)[0] for t in stale])
+        fields = [k for k in (await self.scored._call(lambda: self.scored.redis.hkeys(self.memo_key))) or []
+                  if (k.decode() if isinstance(k, bytes) else k).lstrip("-").isdigit()
+                  and int(k) < task_prefix_step]
+        if fields:
+            await self.scored._call(lambda: self.scored.redis.hdel(self.memo_key, *fields))
 
     def stats(self) -> dict[str, float]:
         return {"buffered": float(len(self.buffer)), "duplicates_ignored": float(self.duplicates)}

@@ -52,7 +52,7 @@ def create_actors(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, mo
         cfg.scorer, f"scorer-{i}", reclaim_idle_s=idle) for i in range(cfg.scorer.num_scorers)]
     assembler = ray.remote(Assembler).options(name=f"{run_id}:assembler", num_cpus=cfg.assembler.num_cpus,
                                               max_concurrency=64, **RESTART).remote(
-        cfg.assembler, consumer="assembler-0", reclaim_idle_s=idle)
+        cfg.assembler, consumer="assembler-0", reclaim_idle_s=idle, redis_url=redis_url, run_id=run_id, high_water=hw)
     return learner, generators, scorers, assembler
 
 
