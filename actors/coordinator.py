@@ -107,13 +107,49 @@ class Coordinator:
             await self.events.ack([msg_id])
 
     async def _wait_generated(self, task_ids: list[str], timeout_s: float) -> float:
-        """Returns when every task's group was published by a generator (event), or at timeout."""
+        """Returns when every task's group was published by a generator (event), or at timeout.
+        Meanwhile resyncs any generator Ray restarted (it waits for the current weights)."""
         deadline = time.monotonic() + timeout_s
+        next_heal = time.monotonic() + 1.0
         while time.monotonic() < deadline:
             await self._drain_events()
             if all(t in self._generated for t in task_ids):
                 break
+            if time.monotonic() >= next_heal:
+                await self.heal_generators()
+                next_heal = time.monotonic() + 1.0
         return max((self._generated.get(t, 0.0) for t in task_ids), default=time.time())
+
+    async def heal_generators(self, timeout_s: float = 2.0) -> int:
+        """Finds generators that lost their weights (restarted by Ray after a crash: initial
+        weights, or a version other than ours) and syncs the current version into them alone.
+        Returns how many were resynced; a generator still restarting is tried next time."""
+        async def check(g):
+            if not hasattr(g, "health"):
+                return False
+            try:
+                h = await asyncio.wait_for(call(g, "health"), timeout_s)
+            except Exception:  # noqa: BLE001 - still restarting: next round
+                return False
+            return bool(h["needs_weights"]) or int(h["version"]) != self.version
+        flags = await asyncio.gather(*(check(g) for g in self.generators))
+        lagging = [g for g, f in zip(self.generators, flags) if f]
+        if not lagging:
+            return 0
+        if self.log is not None:
+            self.log.warning("resyncing restarted generators", count=len(lagging), version=self.version)
+        self.resyncs = getattr(self, "resyncs", 0) + len(lagging)
+        try:
+            await asyncio.gather(*(call(g, "wake", ["weights"]) for g in lagging))
+            await self.sync_weights(self.version, targets=lagging, attempts=1)
+            await asyncio.gather(*(call(g, "set_version", self.version) for g in lagging))
+            await asyncio.gather(*(call(g, "wake", ["kv_cache"]) for g in lagging))
+            await asyncio.gather(*(call(g, "resume") for g in lagging))
+        except Exception as e:  # noqa: BLE001 - it died again mid-sync: next round
+            if self.log is not None:
+                self.log.warning("generator resync failed; retrying", error=str(e).splitlines()[0][:200])
+            return 0
+        return len(lagging)
 
     def _tasks(self, step: int, indices: list[int], version: int) -> list[PromptTask]:
         n = self.cfg.generator.n_samples
@@ -134,25 +170,39 @@ class Coordinator:
     async def _all_generators(self, method: str, *args) -> list:
         return await asyncio.gather(*(call(g, method, *args) for g in self.generators))
 
-    async def sync_weights(self, version: int) -> float:
-        """Learner -> every generator, bucket by bucket; returns seconds taken."""
+    async def sync_weights(self, version: int, targets: list | None = None, attempts: int = 5) -> float:
+        """Learner -> every generator (or `targets`), bucket by bucket; returns seconds taken.
+        A sync that fails (a generator died mid-sync; Ray restarts it) is redone from bucket 0."""
+        start = time.perf_counter()
+        for attempt in range(attempts):
+            try:
+                await self._sync_once(version, self.generators if targets is None else targets)
+                return time.perf_counter() - start
+            except Exception as e:  # noqa: BLE001
+                if attempt + 1 >= attempts:
+                    raise
+                if self.log is not None:
+                    self.log.warning("weight sync failed; redoing it", version=version, attempt=attempt + 1,
+                                     error=str(e).splitlines()[0][:200])
+                await asyncio.sleep(min(2.0, 0.25 * 2 ** attempt))
+        return time.perf_counter() - start
+
+    async def _sync_once(self, version: int, generators: list) -> None:
         from actors.weight_sync import drive_bucketed_sync
 
-        start = time.perf_counter()
         kind = self.cfg.coordinator.weight_sync
         if kind in ("object_store", "cuda_ipc"):
             await call(self.learner, "weight_sync_start", version, kind, self.cfg.coordinator.weight_bucket_mb)
             got = await drive_bucketed_sync(
                 lambda: call(self.learner, "weight_sync_next"),
-                [lambda msg, g=g: call(g, "weight_sync_receive", msg, kind) for g in self.generators],
+                [lambda msg, g=g: call(g, "weight_sync_receive", msg, kind) for g in generators],
                 abort=lambda: call(self.learner, "weight_sync_abort"))
         else:  # nccl: every rank joins the broadcast at once
             results = await asyncio.gather(call(self.learner, "weight_sync_broadcast", version),
-                                           *(call(g, "weight_sync_broadcast_receive", version) for g in self.generators))
+                                           *(call(g, "weight_sync_broadcast_receive", version) for g in generators))
             got = results[-1]
         if got != version:
             raise RuntimeError(f"weight sync finished at version {got}, expected {version}")
-        return time.perf_counter() - start
 
     async def _eval(self) -> dict[str, float]:
         if not self.eval_items:
@@ -252,7 +302,8 @@ class Coordinator:
         path.mkdir(parents=True, exist_ok=True)
         await call(self.learner, "save", str(path / "learner"))
         state = {"step": step, "version": self.version, "cursor": self.cursor.state(),
-                 "outcomes": _count(self.ledger.values())}
+                 "outcomes": _count(self.ledger.values()), "ledger": self.ledger,
+                 "resyncs": getattr(self, "resyncs", 0)}
         (path / "coordinator.json").write_text(json.dumps(state))
         (self.run_dir / "checkpoints" / "latest").write_text(path.name)
         return path
@@ -272,6 +323,9 @@ class Coordinator:
         self.version = state["version"]
         c = state["cursor"]
         self.cursor = DataCursor(len(self.train_items), c["seed"], c["epoch"], c["position"])
+        # Outcomes up to the checkpoint's step; later steps (lost with the crash) are redone.
+        self.ledger = {t: o for t, o in state.get("ledger", {}).items()
+                       if not t[:1].isdigit() or int(t.split(":", 1)[0]) <= state["step"]}
         # The generators start from the initial weights: give them the checkpoint's.
         await self._all_generators("wake", ["weights"])
         await self.sync_weights(self.version)
@@ -356,6 +410,11 @@ class Coordinator:
 
     def stop(self) -> None:
         self._stop = True
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
 
     def get_ledger(self) -> dict[str, str]:
         return dict(self.ledger)
