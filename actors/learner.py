@@ -568,6 +568,7 @@ class LearnerShell:
             setup_logging(run_dir, "learner", console=False)
         self.learner = Learner(learner_cfg, model_cfg, model_path, total_steps, micro_batch_tokens, temperature)
         self.trained_steps: set[int] = set()
+        self.train_counts: dict[int, list[int]] = {}  # step -> [times trained, groups in its batch]
         self.sender = None
 
     async def connect(self, redis_url: str, run_id: str) -> None:
@@ -597,6 +598,10 @@ class LearnerShell:
                     continue  # a later step's batch: leave it pending for its turn
                 metrics = await asyncio.get_running_loop().run_in_executor(None, self.learner.train_step, batch)
                 self.trained_steps.add(step)
+                count = self.train_counts.setdefault(step, [0, 0])
+                count[0] += 1
+                count[1] += len(batch.groups)
+                metrics = dict(metrics, train_groups=float(len(batch.groups)))
                 await self.batches.ack([msg_id])
                 return metrics
             entries = []
@@ -628,6 +633,8 @@ class LearnerShell:
         out = self.learner.save(path)
         with open(os.path.join(path, "trained_steps.json"), "w") as f:
             json.dump(sorted(self.trained_steps), f)
+        with open(os.path.join(path, "train_counts.json"), "w") as f:
+            json.dump({str(k): v for k, v in sorted(self.train_counts.items())}, f)
         return out
 
     def load(self, path: str) -> int:
@@ -638,7 +645,13 @@ class LearnerShell:
         marker = os.path.join(path, "trained_steps.json")
         if os.path.exists(marker):
             self.trained_steps = set(json.load(open(marker)))
+        counts = os.path.join(path, "train_counts.json")
+        if os.path.exists(counts):
+            self.train_counts = {int(k): v for k, v in json.load(open(counts)).items()}
         return step
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def sleep(self) -> None:
         self.learner.sleep()

@@ -162,6 +162,9 @@ if ray is not None:
         async def stop(self) -> None:
             self.loop.stop()
 
+        async def pid(self) -> int:
+            return os.getpid()
+
         async def stats(self) -> dict[str, float]:
             return dict(self.scorer.stats(), undecodable=float(self.loop.undecodable))
 
