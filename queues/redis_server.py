@@ -115,7 +115,9 @@ class EmbeddedRedis:
             "--maxclients", "1000",
         ]
         if self.persistence:
-            args += ["--appendfsync", "everysec"]
+            # "always": an XADD/XACK a client saw succeed is on disk, so even a SIGKILLed server
+            # comes back with every message (everysec could lose the last second of them).
+            args += ["--appendfsync", "always"]
         if self.password:
             args += ["--requirepass", self.password]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -167,6 +169,41 @@ class EmbeddedRedis:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+    def supervise(self, on_restart=None, period_s: float = 0.2) -> None:
+        """A daemon thread that restarts the server on the same socket if it dies on its own
+        (crash, OOM kill) — only with persistence, since without it the streams are gone and the
+        run cannot continue honestly. `on_restart(seconds_down)` is told each time."""
+        import threading
+
+        if not self.persistence or getattr(self, "_supervisor", None) is not None:
+            return
+        self.restarts = 0
+
+        def watch() -> None:
+            while True:
+                time.sleep(period_s)
+                proc = self.proc
+                if proc is None:  # stop() was called: we are done
+                    return
+                if proc.poll() is None:
+                    continue
+                t0 = time.monotonic()
+                try:
+                    self.proc = None
+                    self.start()
+                except Exception as e:  # noqa: BLE001 - keep trying while the run lives
+                    if on_restart is not None:
+                        on_restart(-1.0, str(e))
+                    self.proc = proc
+                    time.sleep(1.0)
+                    continue
+                self.restarts += 1
+                if on_restart is not None:
+                    on_restart(time.monotonic() - t0, "")
+
+        self._supervisor = threading.Thread(target=watch, name="redis-supervisor", daemon=True)
+        self._supervisor.start()
 
     def kill(self) -> None:
         """SIGKILL, as a crash would (for fault-injection tests)."""
