@@ -97,14 +97,107 @@ def load_prompts(cfg: RunConfig, model_path: str, bird_dir: str, log) -> tuple[l
     return out[0], out[1]
 
 
+class RunFailed(ConfigError):
+    """A user-facing failure of a run: one line for the console (cluster.py prints `error: ...`),
+    the full traceback in <run_dir>/logs/launcher.jsonl."""
+
+
+def one_line(e: BaseException) -> str:
+    """The innermost cause of `e` (Ray wraps actor exceptions) as one line, password redacted."""
+    from queues.streams import redact
+
+    seen = 0
+    while seen < 8 and getattr(e, "cause", None) is not None and e.cause is not e:  # RayTaskError
+        e, seen = e.cause, seen + 1
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    name = type(e).__name__
+    if name.startswith("RayTaskError(") or name == "RayTaskError":
+        name = name[len("RayTaskError("):-1] if "(" in name else name
+    return redact(f"{name}: {text}" if text else name)[:400]
+
+
+def _log_failure(run_dir: Path, e: BaseException) -> None:
+    import json
+    import traceback
+
+    try:
+        with open(run_dir / "logs" / "launcher.jsonl", "a") as f:
+            from queues.streams import redact
+
+            f.write(json.dumps({"event": "run failed", "level": "error", "error": one_line(e),
+                                "traceback": redact("".join(traceback.format_exception(e))),
+                                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}) + "\n")
+    except OSError:
+        pass
+
+
+def redis_url_of(cfg: RunConfig) -> str:
+    return cfg.cluster.redis_url or os.environ.get("REDIS_URL", "")
+
+
+def ray_address_of(cfg: RunConfig) -> str:
+    return cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS", "")
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Checks that take a second, before minutes of model building: the external Redis answers
+    (and takes our password), the Ray address answers."""
+    import asyncio
+    import socket
+
+    url = redis_url_of(cfg)
+    if url:
+        from queues.streams import RedisUnavailable, connect, redact
+
+        async def ping():
+            client = await connect(url, timeout_s=5.0)
+            await client.aclose()
+        try:
+            asyncio.run(ping())
+        except RedisUnavailable as e:
+            raise RunFailed(f"REDIS_URL: {e}") from None
+        except Exception as e:  # noqa: BLE001 - e.g. a malformed URL
+            raise RunFailed(f"REDIS_URL {redact(url)!r}: {one_line(e)}") from None
+    address = ray_address_of(cfg)
+    if address and address != "auto" and not address.startswith("ray://"):
+        host, _, port = address.rpartition(":")
+        try:
+            with socket.create_connection((host or "127.0.0.1", int(port)), timeout=3.0):
+                pass
+        except (OSError, ValueError) as e:
+            raise RunFailed(f"RAY_ADDRESS {address!r}: no Ray cluster answers there ({e})") from None
+
+
+def purge_run_keys(url: str, run_id: str) -> int:
+    """Deletes a run's streams and assembler memo (a resumed run restarts from its checkpoint;
+    what a persisted or external Redis still holds of the crashed attempt must not leak in)."""
+    import asyncio
+
+    from queues.streams import connect
+
+    async def purge() -> int:
+        client = await connect(url)
+        keys = [k async for k in client.scan_iter(match=f"arl:{run_id}:*")]
+        n = await client.delete(*keys) if keys else 0
+        await client.aclose()
+        return int(n)
+    return asyncio.run(purge())
+
+
 def start_redis(cfg: RunConfig, run_dir: Path, log):
     """(url, embedded server or None): REDIS_URL / cluster.redis_url, else an embedded server."""
-    url = cfg.cluster.redis_url or os.environ.get("REDIS_URL", "")
+    url = redis_url_of(cfg)
     if url:
         return url, None
     from queues.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis(run_dir, persistence=cfg.cluster.redis_persistence).start()
+    # With AOF, a redis-server that dies on its own is restarted on the same socket; clients
+    # reconnect (queues.streams retries) and find every stream, group and pending entry.
+    server.supervise(lambda down_s, err: log.warning("embedded redis-server died; restarted" if not err else
+                                                     "embedded redis-server restart failed",
+                                                     seconds=round(down_s, 3), error=err))
     return server.url, server
 
 
@@ -138,11 +231,14 @@ def sft_pairs(cfg: RunConfig, items: list, model_path: str) -> list[tuple[list[i
 
 def run(cfg: RunConfig) -> int:
     check_inputs(cfg)
+    preflight(cfg)
     run_id, run_dir = resolve_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.run_id = run_id
     log = setup_logging(run_dir, "launcher", level=cfg.logging.level, console=cfg.logging.console)
-    (run_dir / "config.json").write_bytes(msgspec.json.format(msgspec.json.encode(cfg), indent=2))
+    from queues.streams import redact
+
+    (run_dir / "config.json").write_text(redact(msgspec.json.format(msgspec.json.encode(cfg), indent=2).decode()))
     redis_server = None
     interrupted = {"flag": False}
 
@@ -154,6 +250,10 @@ def run(cfg: RunConfig) -> int:
         model_path, bird_dir = prepare_model_and_data(cfg, run_dir, log)
         train_items, eval_items = load_prompts(cfg, model_path, bird_dir, log)
         redis_url, redis_server = start_redis(cfg, run_dir, log)
+        if cfg.coordinator.resume:
+            purged = purge_run_keys(redis_url, run_id)
+            if purged:
+                log.info("resume: dropped the crashed attempt's streams", keys=purged)
         start_ray(cfg, run_dir, log)
         import ray
 
@@ -171,6 +271,12 @@ def run(cfg: RunConfig) -> int:
         interrupted["flag"] = True
         log.warning("interrupted: shutting down")
         return 130
+    except ConfigError as e:
+        _log_failure(run_dir, e)
+        raise
+    except Exception as e:  # noqa: BLE001 - one line for the user, the traceback in the log
+        _log_failure(run_dir, e)
+        raise RunFailed(f"{one_line(e)} (traceback: {run_dir / 'logs' / 'launcher.jsonl'})") from None
     finally:
         try:
             import ray
