@@ -29,6 +29,7 @@ from typing import Any, Iterator, Sequence
 import structlog
 import torch
 
+from actors import attention
 from launch.config import LearnerConfig, ModelConfig
 from policies.grpo import policy_loss
 from policies.packing import PackedBatch, pack, plan_micro_batches
@@ -112,21 +113,143 @@ class _LogProbHead(torch.nn.Module):
             self.flce = LigerFusedLinearCrossEntropyLoss(reduction="none")
 
     def forward(self, input_ids, position_ids, target_ids, attention_mask=None, with_entropy: bool = False,
-                temperature: float | None = None):
+                temperature: float | None = None, **attn_kwargs):
+        # attn_kwargs: cu_seq_lens_q/k, max_length_q/k for the "varlen" attention (actors/attention.py);
+        # transformers hands them to the attention function of every layer.
         temp = self.temperature if temperature is None else temperature
         if self.flce is not None and not with_entropy:
             hidden = self.model.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                                      use_cache=False).last_hidden_state
+                                      use_cache=False, **attn_kwargs).last_hidden_state
             h = hidden.reshape(-1, hidden.shape[-1]) / temp
             lp = -self.flce(self.model.lm_head.weight, h, target_ids.reshape(-1))
             return lp.view(target_ids.shape).float(), None
         logits = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                            use_cache=False).logits
+                            use_cache=False, **attn_kwargs).logits
         logits = logits.float() / temp
         logp = torch.log_softmax(logits, dim=-1)
         lp = logp.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
         entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
         return lp, entropy
+
+
+def _rotary_reference(module: torch.nn.Module, buffer_name: str) -> torch.Tensor | None:
+    """inv_freq as the rotary module's own init computes it from its config (fp32, on the CPU), or None.
+
+    transformers' rotary modules keep `config` and `rope_type` and compute inv_freq with
+    `compute_default_rope_parameters` ("default") or `ROPE_INIT_FUNCTIONS[rope_type]`; a buffer
+    named "<layer_type>_inv_freq" belongs to a per-layer-type rotary (rope_type then a dict).
+    """
+    config = getattr(module, "config", None)
+    rope_type = getattr(module, "rope_type", None)
+    if config is None or rope_type is None:
+        return None
+    layer_type = buffer_name[: -len("_inv_freq")] if buffer_name != "inv_freq" else None
+    if isinstance(rope_type, dict):
+        rope_type = rope_type.get(layer_type) if layer_type else None
+    if not isinstance(rope_type, str):
+        return None
+    fn = getattr(type(module), "compute_default_rope_parameters", None) if rope_type == "default" else None
+    if fn is None:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        fn = ROPE_INIT_FUNCTIONS.get(rope_type)
+    if fn is None:
+        return None
+    with torch.device("cpu"):
+        out = fn(config, layer_type=layer_type) if layer_type else fn(config)
+    inv_freq = out[0] if isinstance(out, tuple) else out
+    return inv_freq.to(torch.float32)
+
+
+def restore_rotary_buffers(model: torch.nn.Module) -> list[str]:
+    """Recomputes every rotary `*inv_freq` buffer (and its `original_*` twin) in fp32.
+
+    Under ZeRO-3 transformers builds the model inside deepspeed.zero.Init, which turns the buffers
+    created there into the training dtype: a bf16 inv_freq is off by up to 3.7e-3 relative, so RoPE
+    angles drift with position (0.68 nats mean log-prob error at ~4k tokens, docs/perf/h200.md).
+    The rotary class's own init fn gives back exactly what a plain load holds; where it cannot be
+    called, a non-fp32 buffer is at least cast to fp32 (with a warning: the rounding stays).
+    Returns the names of the buffers that changed.
+    """
+    changed = []
+    for mod_name, module in model.named_modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is None or not name.endswith("inv_freq") or name.startswith("original_"):
+                continue
+            ref = _rotary_reference(module, name)
+            full = f"{mod_name}.{name}" if mod_name else name
+            if ref is None or ref.shape != buf.shape:
+                if buf.dtype == torch.float32:
+                    continue
+                log.warning("learner.rotary_cast", buffer=full, dtype=str(buf.dtype),
+                            reason="no rotary init fn to recompute it; cast to fp32, rounding kept")
+                ref = buf.float()
+            ref = ref.to(buf.device)
+            if buf.dtype != ref.dtype or not torch.equal(buf, ref):
+                changed.append(full)
+            module._buffers[name] = ref
+            twin = "original_" + name
+            if module._buffers.get(twin) is not None:
+                module._buffers[twin] = ref.clone()
+    if changed:
+        log.info("learner.rotary_restored", buffers=changed[:4], count=len(changed))
+    return changed
+
+
+class _OptimizerStateOffload:
+    """Moves a torch optimizer's state tensors and its non-model params (fp32 masters) to the host and back.
+
+    For the optimizers DeepSpeed cannot offload itself: the unwrapped torch AdamW (ZeRO-0, fp32),
+    FP16_UnfusedOptimizer (ZeRO-0, bf16: fp32 master copies + Adam moments) and ZeRO-3 with torch
+    AdamW (DeepSpeed's stage-3 offload of optimizer states / hp params needs its FusedAdam). Model
+    parameters are never touched (the weights stay put for export and the next step). Every tensor
+    goes back to the device it came from (AdamW's `step` counters live on the host already). Each
+    offload copies, so even on a CPU-only run the state really leaves its storage and comes back.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model_params: Sequence[torch.nn.Parameter]):
+        self.optimizer = optimizer
+        self.skip = {id(p) for p in model_params}
+        self.params: list[tuple[torch.Tensor, torch.device]] = []
+        self.state: list[tuple[dict, str, torch.device]] = []
+
+    def offload(self, pin: bool) -> int:
+        """Returns the bytes moved off the accelerator."""
+        def host(t: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            out.copy_(t)
+            return out
+
+        moved = 0
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) in self.skip:
+                    continue
+                self.params.append((p, p.device))
+                for t in (p, p.grad):
+                    if t is not None and t.device.type != "cpu":
+                        moved += t.numel() * t.element_size()
+                g = None if p.grad is None else host(p.grad)
+                p.grad = None  # a grad must sit on its param's device: swap both
+                p.data = host(p.data)
+                p.grad = g
+        for st in self.optimizer.state.values():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    self.state.append((st, k, v.device))
+                    moved += v.numel() * v.element_size() if v.device.type != "cpu" else 0
+                    st[k] = host(v)
+        return moved
+
+    def reload(self) -> None:
+        for p, dev in self.params:
+            g = p.grad
+            p.grad = None
+            p.data = p.data.to(dev, copy=True)
+            p.grad = None if g is None else g.to(dev, copy=True)
+        for st, k, dev in self.state:
+            st[k] = st[k].to(dev, copy=True)
+        self.params, self.state = [], []
 
 
 class Learner:
@@ -151,7 +274,13 @@ class Learner:
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(self.device)
         self.dtype = _DTYPES[learner_cfg.dtype]
-        self.attn_implementation = model_cfg.attn_implementation
+        self.attn_implementation = attention.select_attn_implementation(model_cfg.attn_implementation, self.device)
+        if self.attn_implementation == attention.VARLEN:
+            attention.register()
+        if self.attn_implementation != model_cfg.attn_implementation:
+            log.info("learner.attention", requested=model_cfg.attn_implementation, using=self.attn_implementation,
+                     reason="packed rows: varlen attention over cu_seqlens instead of sdpa's dense [T, T] mask"
+                     if self.attn_implementation == attention.VARLEN else "auto")
         self.use_liger = bool(learner_cfg.use_liger) and self.device.type == "cuda"
         if learner_cfg.use_liger and not self.use_liger:
             log.info("learner.logprob_path", path="torch", reason="use_liger needs a CUDA device; plain log_softmax on CPU")
@@ -194,6 +323,11 @@ class Learner:
                                       weight_decay=learner_cfg.weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=self.head, optimizer=optimizer,
                                                                  config=self.ds_config)
+        # After zero.Init (which casts buffers made under it, e.g. RoPE inv_freq, to bf16) and after
+        # DeepSpeed's own casts: the rotary buffers are recomputed in fp32 from the model config.
+        restore_rotary_buffers(self.engine.module.model)
+        self._offloaded: _OptimizerStateOffload | None = None
+        self._ds_offloaded = False
         warmup = int(math.ceil(learner_cfg.warmup_ratio * self.total_steps))
         # Scheduled per train_step here (not by DeepSpeed per micro-step); saved with the checkpoint.
         # On the torch optimizer itself: DeepSpeed's ZeRO wrappers share its param_groups.
@@ -236,6 +370,7 @@ class Learner:
                                                    trust_remote_code=self.model_cfg.trust_remote_code)
         ref.config.use_cache = False
         ref.requires_grad_(False)
+        restore_rotary_buffers(ref)
         return _LogProbHead(ref, self.temperature, self.use_liger).to(self.device).eval()
 
     # ------------------------------------------------------------------ forward helpers
@@ -243,8 +378,9 @@ class Learner:
     def _forward(self, mb: PackedBatch, module=None, with_entropy: bool = False, temperature: float | None = None):
         module = self.engine if module is None else module
         mask = mb.attention_mask(self.attn_implementation, self.dtype)
+        extra = mb.varlen_kwargs() if self.attn_implementation == attention.VARLEN else {}
         return module(mb.input_ids, mb.position_ids, mb.target_ids, attention_mask=mask,
-                      with_entropy=with_entropy, temperature=temperature)
+                      with_entropy=with_entropy, temperature=temperature, **extra)
 
     def _materialise(self, batch: TrainBatch) -> list[dict[str, Any]]:
         """TrainBatch -> per micro-batch: the packed row and its per-position tensors, on device."""
@@ -530,18 +666,56 @@ class Learner:
     # ------------------------------------------------------------------ colocation
 
     def sleep(self) -> None:
-        """Frees accelerator memory between steps: optimizer states offloaded where configured."""
+        """Frees accelerator memory between steps (the weights stay, for export and weight sync).
+
+        With `offload_optimizer`: Adam moments and fp32 master weights go to the host; for ZeRO 1/2
+        through DeepSpeed's `offload_states` (optimizer states, hp params, lp grads, grad buckets),
+        for ZeRO-3 DeepSpeed offloads the grad buffers and the stage-3 hp params / Adam states are
+        moved here (DeepSpeed's own needs its FusedAdam), for ZeRO-0 the torch optimizer's state
+        and the fp32 masters are moved here. `wake` brings all of it back exactly.
+        """
+        if self.asleep:
+            return
+        if self.cfg.offload_optimizer:
+            self._offload_optimizer()
         if self.device.type == "cuda":
-            if self.cfg.offload_optimizer:
-                self.engine.offload_states()
             torch.cuda.empty_cache()
         self.asleep = True
 
     def wake(self) -> None:
-        if self.device.type == "cuda" and self.cfg.offload_optimizer:
+        if not self.asleep:
+            return
+        if self._ds_offloaded:
             self.engine.reload_states()
+            self._ds_offloaded = False
+        if self._offloaded is not None:
+            self._offloaded.reload()
+            self._offloaded = None
         self.asleep = False
 
+    def _offload_optimizer(self) -> None:
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
+
+        opt = self.engine.optimizer
+        pin = self.device.type == "cuda"
+        stage = self.cfg.zero_stage
+        t0 = time.perf_counter()
+        moved = 0
+        if stage in (1, 2) and hasattr(opt, "offload_states"):
+            self.engine.offload_states(include=[S.optim_states, S.hp_params, S.lp_grads, S.contiguous_grad_buffer],
+                                       pin_memory=pin)
+            self._ds_offloaded = True
+            how = "deepspeed"
+        else:
+            if stage == 3 and hasattr(opt, "offload_states"):
+                self.engine.offload_states(include=[S.lp_grads, S.contiguous_grad_buffer], pin_memory=pin)
+                self._ds_offloaded = True
+            inner = opt if isinstance(opt, torch.optim.Optimizer) and not hasattr(opt, "optimizer") else opt.optimizer
+            self._offloaded = _OptimizerStateOffload(inner, list(self.engine.module.parameters()))
+            moved = self._offloaded.offload(pin)
+            how = "deepspeed+learner" if self._ds_offloaded else "learner"
+        log.info("learner.offload_optimizer", zero_stage=stage, via=how, gib=round(moved / 2**30, 3),
+                 s=round(time.perf_counter() - t0, 3))
 
 def _deep_merge(base: dict, over: dict) -> dict:
     out = dict(base)

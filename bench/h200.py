@@ -11,12 +11,12 @@ plain|liger|lk = liger head + liger rope/rms_norm/swiglu kernels), PROMPTS (grou
 STEPS (timed steps, 2), OUT (results dir). Every variant runs in its own process (liger's kernel
 patch is process-wide); results: $OUT/h200_learner.json, $OUT/h200_colo.json, one table printed last.
 
-attn: "sdpa" is the Learner's own path for a non-flash implementation (policies/packing.py passes a
-block-diagonal [1,1,T,T] mask, so sdpa runs the dense masked kernel over the whole packed row);
-"varlen" registers a transformers attention function ("arl_varlen") that runs causal attention per
-packed sample from the restarting position_ids (torch.nn.attention.varlen.varlen_attn when present,
-else one sdpa(is_causal) call per sample), and sets learner.attn_implementation to a flash name so
-the Learner builds no dense mask. The log-probs of every variant on the same weights and batch are
+attn: "varlen" is the Learner's own packed attention (actors/attention.py: torch varlen_attn over the
+PackedBatch's cu_seqlens on CUDA, one sdpa per sample on CPU), asked for by name and checked against
+per-sample sdpa first; "sdpa" is whatever the Learner picks for sdpa (varlen on a GPU without flash_attn,
+the dense mask on CPU); "sdpa_dense" forces the old block-diagonal [1,1,T,T] mask with sdpa's masked
+kernel (the slow baseline). Until 2026-12-02 "varlen" was a function registered by this script
+("arl_varlen"); the docs/perf/h200.md rows of that date were measured with it. The log-probs of every variant on the same weights and batch are
 compared against the first variant of the same model ("lp_vs_ref").
 """
 from __future__ import annotations
@@ -82,116 +82,37 @@ def build_model_dir(name: str) -> str:
 
 # --------------------------------------------------------------------------- varlen attention
 
-_CU_CACHE: dict = {}
-
-
-def _segments(position_ids):
-    """cu_seqlens (int32, device), max length and python boundaries from restarting position ids."""
+def varlen_check() -> dict:
+    """The Learner's "varlen" attention (actors/attention.py) against one sdpa(is_causal) per sample,
+    fwd + bwd, bf16, GQA, on this machine (CUDA: torch varlen_attn; CPU: its per-sample fallback)."""
     import torch
+    from actors import attention
 
-    key = (position_ids.data_ptr(), tuple(position_ids.shape))
-    hit = _CU_CACHE.get("k")
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    pos = position_ids[0]
-    starts = (pos == 0).nonzero().squeeze(-1).tolist()
-    bounds = starts + [pos.numel()]
-    lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    cu = torch.tensor(bounds, dtype=torch.int32, device=pos.device)
-    val = (cu, max(lens), bounds)
-    _CU_CACHE["k"] = (key, val)
-    return val
-
-
-VARLEN_KERNEL = {"name": "unset"}
-
-
-def _varlen_call(q, k, v, cu, maxlen, scale):
-    """q [T,H,D], k/v [T,Hkv,D] -> [T,H,D], causal within each segment (torch varlen_attn)."""
-    import inspect
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = inspect.signature(varlen_attn).parameters
-    kw = {}
-    if "scale" in params:
-        kw["scale"] = scale
-    if "is_causal" in params:
-        kw["is_causal"] = True
-    elif "window_size" in params:
-        kw["window_size"] = (-1, 0)
-    if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in params:
-            kw["enable_gqa"] = True
-        else:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return varlen_attn(q, k, v, cu, cu, maxlen, maxlen, **kw)
-
-
-def _seg_call(q, k, v, bounds, scale):
-    """Same contract as _varlen_call, one sdpa(is_causal) per segment ([1,H,s,D] each)."""
-    import torch
-    import torch.nn.functional as F
-
-    outs = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        qs, ks, vs = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=qs.shape[1] != ks.shape[1])
-        outs.append(o[0].transpose(0, 1))
-    return torch.cat(outs, 0)
-
-
-def arl_varlen_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers attention function: query [1,H,T,D], key/value [1,Hkv,T,D] -> ([1,T,H,D], None)."""
-    pos = kwargs.get("position_ids")
-    if query.shape[0] != 1 or pos is None:
-        raise RuntimeError("arl_varlen expects one packed row with position_ids")
-    cu, maxlen, bounds = _segments(pos)
-    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [T,H,D]
-    if VARLEN_KERNEL["name"] == "varlen_attn":
-        out = _varlen_call(q, k, v, cu, maxlen, scaling)
-    else:
-        out = _seg_call(q, k, v, bounds, scaling)
-    return out.unsqueeze(0), None
-
-
-def register_varlen():
-    """Registers 'arl_varlen' and picks the kernel: torch varlen_attn if it runs fwd+bwd and matches
-    the per-segment sdpa reference on this machine, else the per-segment sdpa loop."""
-    import torch
-    from transformers import AttentionInterface
-
-    AttentionInterface.register("arl_varlen", arl_varlen_attention)
-    try:  # no mask for this implementation (older transformers look the name up here)
-        from transformers.masking_utils import AttentionMaskInterface
-
-        AttentionMaskInterface.register("arl_varlen", lambda *a, **k: None)
-    except ImportError:
-        pass
-    VARLEN_KERNEL["name"] = "sdpa_per_sample"
-    VARLEN_KERNEL["check"] = "cpu: varlen_attn not tried"
-    if not torch.cuda.is_available():
-        return VARLEN_KERNEL
+    attention.register()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    out = dict(kernel="torch varlen_attn" if dev == "cuda" and attention.torch_varlen_available() else "sdpa per sample",
+               flash_attn_installed=attention.flash_attn_installed(),
+               learner_picks_for_sdpa=attention.select_attn_implementation("sdpa", dev))
     try:
-        g = torch.Generator(device="cuda").manual_seed(1)
-        bounds = [0, 700, 1500, 2300]
-        T = bounds[-1]
-        mk = lambda h: torch.randn(T, h, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()  # noqa: E731
+        g = torch.Generator(device=dev).manual_seed(1)
+        bounds = [0, 700, 1500, 2300] if dev == "cuda" else [0, 7, 15, 23]
+        T, d = bounds[-1], (128 if dev == "cuda" else 16)
+        mk = lambda h: torch.randn(1, h, T, d, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_()  # noqa: E731
         q, k, v = mk(16), mk(8), mk(8)
-        cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
-        o1 = _varlen_call(q, k, v, cu, 800, 128 ** -0.5)
+        cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
+        o1, _ = attention.varlen_attention_forward(None, q, k, v, None, scaling=d ** -0.5, cu_seq_lens_q=cu,
+                                                   max_length_q=max(b - a for a, b in zip(bounds, bounds[1:])))
         g1 = torch.autograd.grad(o1.float().square().sum(), (q, k, v))
-        o2 = _seg_call(q, k, v, bounds, 128 ** -0.5)
+        o2 = attention._per_sample_sdpa(*(x[0].transpose(0, 1) for x in (q, k, v)), cu, d ** -0.5)
         g2 = torch.autograd.grad(o2.float().square().sum(), (q, k, v))
-        err = float((o1.float() - o2.float()).abs().max())
+        err = float((o1[0].float() - o2.float()).abs().max())
         gerr = max(float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(g1, g2))
-        ok = err < 2e-2 and gerr < 2e-2
-        VARLEN_KERNEL["check"] = f"varlen_attn vs per-sample sdpa: out max abs {err:.2e}, grad max rel {gerr:.2e}"
-        if ok:
-            VARLEN_KERNEL["name"] = "varlen_attn"
-    except Exception as e:  # noqa: BLE001 - recorded, fall back to the loop
-        VARLEN_KERNEL["check"] = f"varlen_attn failed: {type(e).__name__}: {str(e)[:200]}"
-    return VARLEN_KERNEL
+        out["check"] = f"vs per-sample sdpa: out max abs {err:.2e}, grad max rel {gerr:.2e}"
+        out["ok"] = err < 2e-2 and gerr < 2e-2
+    except Exception as e:  # noqa: BLE001 - recorded in the row
+        out["check"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+        out["ok"] = False
+    return out
 
 
 # --------------------------------------------------------------------------- batches
@@ -278,12 +199,17 @@ def make_learner(model: str, zero: int, attn: str, path: str, mb_tokens: int, lr
 
         apply_liger_kernel_to_qwen3(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                     fused_linear_cross_entropy=False)
-    impl = "sdpa"
+    # "varlen": the Learner's own attention (actors/attention.py), asked for by name so the CPU smoke
+    # runs it too; on a GPU without flash_attn the Learner picks it for "sdpa" by itself, so the
+    # dense-mask sdpa row is forced with "sdpa_dense" below.
+    impl = attn
     if attn == "varlen":
-        info["varlen"] = dict(register_varlen())
-        impl = "arl_varlen"
-    elif attn != "sdpa":
-        impl = attn
+        info["varlen"] = varlen_check()
+    elif attn == "sdpa_dense":
+        from actors import attention
+
+        attention.select_attn_implementation = lambda requested, device: "sdpa"  # this process only
+        impl = "sdpa"
     mdir = build_model_dir(model)
     lcfg = LearnerConfig(zero_stage=zero, dtype="bfloat16", lr=lr, use_liger=path in ("liger", "lk"),
                          gradient_checkpointing=True, device="cuda" if torch.cuda.is_available() else "cpu",
@@ -292,9 +218,7 @@ def make_learner(model: str, zero: int, attn: str, path: str, mb_tokens: int, lr
     t = time.perf_counter()
     learner = Learner_cls()(lcfg, mcfg, mdir, total_steps=100, micro_batch_tokens=mb_tokens, temperature=1.0)
     info["init_s"] = round(time.perf_counter() - t, 2)
-    if attn == "varlen":
-        # The model attends per sample from position_ids; tell the packing to build no dense mask.
-        learner.attn_implementation = "flash_attention_2"
+    info["attn_implementation"] = learner.attn_implementation
     return learner, info
 
 
@@ -735,13 +659,13 @@ DEFAULT_VARIANTS = [
     "1.7B:0:varlen:liger:32768",
     "1.7B:0:varlen:lk:16384",
     "1.7B:3:varlen:lk:32768",
-    "1.7B:0:sdpa:plain:32768",
-    "1.7B:0:sdpa:lk:16384",
+    "1.7B:0:sdpa_dense:plain:32768",
+    "1.7B:0:sdpa_dense:lk:16384",
     "0.6B:0:varlen:plain:32768",
     "0.6B:0:varlen:lk:32768",
     "0.6B:3:varlen:lk:32768",
 ]
-SMOKE_VARIANTS = ["smoke:0:varlen:plain:128", "smoke:0:sdpa:plain:128", "smoke:3:varlen:liger:64"]
+SMOKE_VARIANTS = ["smoke:0:varlen:plain:128", "smoke:0:sdpa_dense:plain:128", "smoke:0:sdpa:plain:128", "smoke:3:varlen:liger:64"]
 
 
 def parse_variant(s: str) -> dict:

@@ -8,8 +8,10 @@ Invariants:
   attention does not cross sample boundaries:
     * flash_attention_2/3 (GPU): transformers derives the varlen boundaries from the restarting
       position_ids; no mask is passed (`PackedBatch.attention_mask` returns None).
-    * sdpa / eager (CPU, tests, any GPU without flash-attn): there is no varlen kernel, so an
-      explicit block-diagonal causal 4D mask is built and passed.
+    * "varlen" (actors/attention.py; the learner's choice on a GPU without flash-attn): torch's
+      varlen_attn over the row, cut by `PackedBatch.varlen_kwargs()` (cu_seqlens with trailing
+      padding as a segment of its own, and the longest segment as a python int); no mask.
+    * sdpa / eager (CPU, tests): an explicit block-diagonal causal 4D mask is built and passed.
 - Everything is aligned to the *predicting* position: at position t the model's output scores
   `target_ids[t]`, the next token of the same sample. `loss_mask[t]` is True exactly when that
   target is a completion token, so prompt tokens, the last position of each sample and padding
@@ -26,6 +28,12 @@ import torch
 
 FLASH_ATTENTION_IMPLS = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn",
                          "kernels-community/flash-attn3")
+VARLEN = "varlen"  # actors/attention.py registers it with transformers' AttentionInterface
+
+
+def needs_dense_mask(attn_implementation: str) -> bool:
+    """False for the implementations that keep samples apart themselves (no [T, T] mask)."""
+    return attn_implementation not in FLASH_ATTENTION_IMPLS and attn_implementation != VARLEN
 
 
 class OversizedSampleWarning(UserWarning):
@@ -107,6 +115,8 @@ class PackedBatch:
     sample_index: torch.Tensor  # [1, T] long
     token_index: torch.Tensor  # [1, T] long
     completion_lengths: list[int]
+    max_seqlen: int = 0  # longest segment of the row (a sample, or the trailing padding)
+    num_padding: int = 0  # trailing padding positions (not in cu_seqlens)
 
     @property
     def num_tokens(self) -> int:
@@ -153,9 +163,22 @@ class PackedBatch:
 
     def attention_mask(self, attn_implementation: str, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
         """What to pass as `attention_mask` so attention stays inside each sample (module doc)."""
-        if attn_implementation in FLASH_ATTENTION_IMPLS:
+        if not needs_dense_mask(attn_implementation):
             return None
         return block_causal_mask(self.sample_index[0], dtype)
+
+    def varlen_cu_seqlens(self) -> torch.Tensor:
+        """cu_seqlens covering the whole row: the samples, then trailing padding as one segment."""
+        cu = self.cu_seqlens
+        if self.num_padding:
+            cu = torch.cat([cu, torch.tensor([self.num_tokens], dtype=cu.dtype).to(cu.device)])
+        return cu
+
+    def varlen_kwargs(self) -> dict:
+        """Model kwargs for the "varlen" attention: transformers forwards them to the attention function."""
+        cu = self.varlen_cu_seqlens()
+        m = self.max_seqlen or int((cu[1:] - cu[:-1]).max())
+        return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": m, "max_length_k": m}
 
 
 def block_causal_mask(segment_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -207,6 +230,7 @@ def pack(sequences: Sequence[tuple[Sequence[int] | torch.Tensor, Sequence[int] |
         comp_lens.append(nc)
     total = cu[-1]
     pad = (-total) % max(1, pad_to_multiple_of)
+    max_seqlen = max([b - a for a, b in zip(cu[:-1], cu[1:])] + [pad, 0])
     if pad:
         ids.append(torch.full((pad,), pad_token_id, dtype=torch.long))
         pos.append(torch.arange(pad))
@@ -218,7 +242,8 @@ def pack(sequences: Sequence[tuple[Sequence[int] | torch.Tensor, Sequence[int] |
     return PackedBatch(
         input_ids=cat(ids, torch.long), position_ids=cat(pos, torch.long), target_ids=cat(tgt, torch.long),
         loss_mask=cat(lmask, torch.bool), cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-        sample_index=cat(sidx, torch.long), token_index=cat(tidx, torch.long), completion_lengths=comp_lens)
+        sample_index=cat(sidx, torch.long), token_index=cat(tidx, torch.long), completion_lengths=comp_lens,
+        max_seqlen=max_seqlen, num_padding=pad)
 
 
 def padding_fraction(lengths: Sequence[int], micro_batches: Sequence[Sequence[int]], max_tokens: int) -> float:

@@ -209,3 +209,114 @@ def test_kl_entropy_and_truncated_importance_terms_run_through_the_learner(model
     assert 0.0 < m["entropy"] <= math.log(256)
     # The sampler's log-probs (-30) are far below the policy's (~ -6): every weight hits the cap.
     assert m["tis_weight_mean"] == 2.0 and m["tis_capped_frac"] == 1.0
+
+
+def _inv_freqs(model):
+    return {n: b for n, b in model.named_buffers() if n.endswith("inv_freq")}
+
+
+def test_rotary_inv_freq_is_restored_to_fp32_after_a_zero_init_style_cast(model_dir, monkeypatch):
+    """zero.Init (ZeRO-3 with HfDeepSpeedConfig on a GPU) turns inv_freq into bf16; the learner must undo it."""
+    import transformers
+
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    want = _inv_freqs(plain)
+    assert want and all(b.dtype == torch.float32 for b in want.values())
+    clean = make_learner(model_dir, zero_stage=3)
+    orig = transformers.AutoModelForCausalLM.from_pretrained
+
+    def corrupting(*a, **k):
+        m = orig(*a, **k)
+        for mod in m.modules():
+            for name in list(mod._buffers):
+                if name.endswith("inv_freq") and mod._buffers[name] is not None:
+                    mod._buffers[name] = mod._buffers[name].to(torch.bfloat16)
+        return m
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", corrupting)
+    fixed = make_learner(model_dir, zero_stage=3)
+    got = _inv_freqs(fixed.engine.module.model)
+    assert got.keys() == want.keys()
+    for n in want:
+        assert got[n].dtype == torch.float32 and torch.equal(got[n], want[n]), n
+    # A long sequence: a bf16 inv_freq moves these log-probs by ~1e-2 here (checked below).
+    g = torch.Generator().manual_seed(11)
+    seqs = [(torch.randint(0, 256, (700,), generator=g), torch.randint(0, 256, (100,), generator=g))]
+    ref = clean.logprobs(seqs)[0]
+    assert torch.equal(fixed.logprobs(seqs)[0], ref)
+    rot = fixed.engine.module.model.model.rotary_emb
+    rot.inv_freq = rot.inv_freq.to(torch.bfloat16)
+    assert float((fixed.logprobs(seqs)[0] - ref).abs().max()) > 1e-3  # the test can see the bug
+
+
+def _optimizer_tensors(learner):
+    opt = learner.engine.optimizer
+    inner = getattr(opt, "optimizer", opt)
+    out = [t for st in inner.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    return out + [p.detach() for g in inner.param_groups for p in g["params"]]
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_sleep_with_offload_then_wake_trains_exactly_as_without_sleep(model_dir, zero_stage):
+    b1, b2 = make_batch(seed=12), make_batch(seed=13, step=1)
+    runs = []
+    for sleep in (False, True):
+        learner = make_learner(model_dir, zero_stage=zero_stage, offload_optimizer=True)
+        learner.train_step(b1)
+        before = [t.clone() for t in _optimizer_tensors(learner)]
+        if sleep:
+            learner.sleep()
+            assert learner.asleep
+            learner.wake()
+            after = _optimizer_tensors(learner)
+            assert len(after) == len(before)
+            assert all(torch.equal(a, b) for a, b in zip(after, before))
+        runs.append((learner.train_step(b2), params(learner)))
+    (m0, p0), (m1, p1) = runs
+    assert m1["grad_norm"] == m0["grad_norm"]
+    assert_params_close(p0, p1, atol=0.0)
+
+
+def test_sleep_offload_really_moves_the_state_of_the_unwrapped_optimizer(model_dir):
+    learner = make_learner(model_dir, offload_optimizer=True)
+    learner.train_step(make_batch(seed=14))
+    state = next(iter(learner.torch_optimizer.state.values()))
+    ptr, val = state["exp_avg"].data_ptr(), state["exp_avg"].clone()
+    learner.sleep()
+    assert learner._offloaded is not None and state["exp_avg"].data_ptr() != ptr  # copied out
+    learner.train_step(make_batch(seed=15))  # wakes first
+    assert not learner.asleep and learner._offloaded is None
+    assert not torch.equal(state["exp_avg"], val)  # the step used (and updated) the restored state
+
+
+def test_varlen_attention_through_the_learner_equals_the_masked_path(model_dir):
+    """On CPU "varlen" runs one sdpa per sample, cut by the PackedBatch's cu_seqlens (no [T, T] mask)."""
+    masked = make_learner(model_dir)
+    varlen = Learner(LearnerConfig(zero_stage=0, dtype="float32", lr=1e-2, device="cpu"),
+                     ModelConfig(dtype="float32", attn_implementation="varlen"), model_dir, total_steps=10,
+                     micro_batch_tokens=64, temperature=TEMPERATURE)
+    assert varlen.attn_implementation == "varlen" and masked.attn_implementation == "sdpa"
+    seqs = sequences(make_batch(seed=16))
+    for a, b in zip(masked.logprobs(seqs), varlen.logprobs(seqs)):
+        assert torch.allclose(a, b, atol=1e-5)
+    batch = make_batch(seed=17)
+    ma, mb = masked.train_step(batch), varlen.train_step(batch)
+    assert mb["grad_norm"] == pytest.approx(ma["grad_norm"], rel=1e-5)
+
+
+def test_attention_selection_prefers_varlen_on_cuda_without_flash_attn(monkeypatch):
+    from actors import attention
+
+    assert attention.select_attn_implementation("sdpa", "cpu") == "sdpa"
+    assert attention.select_attn_implementation("auto", "cpu") == "sdpa"
+    assert attention.select_attn_implementation("varlen", "cpu") == "varlen"
+    assert attention.select_attn_implementation("eager", "cuda") == "eager"
+    monkeypatch.setattr(attention, "flash_attn_installed", lambda: False)
+    monkeypatch.setattr(attention, "torch_varlen_available", lambda: True)
+    assert attention.select_attn_implementation("sdpa", "cuda") == "varlen"
+    assert attention.select_attn_implementation("auto", "cuda") == "varlen"
+    monkeypatch.setattr(attention, "torch_varlen_available", lambda: False)
+    assert attention.select_attn_implementation("sdpa", "cuda") == "sdpa"
+    monkeypatch.setattr(attention, "flash_attn_installed", lambda: True)
+    assert attention.select_attn_implementation("auto", "cuda") == "flash_attention_2"
+    assert attention.select_attn_implementation("sdpa", "cuda") == "sdpa"

@@ -121,3 +121,37 @@ def test_flash_attention_uses_position_ids_not_a_mask():
 def test_padding_fraction_counts_budget_slots():
     assert padding_fraction([50, 50, 100], [[0, 1], [2]], 100) == 0.0
     assert padding_fraction([50, 30], [[0], [1]], 100) == pytest.approx(0.6)
+
+
+def test_varlen_cu_seqlens_cover_the_row_and_match_the_position_ids():
+    from actors.attention import cu_seqlens_from_position_ids
+
+    pb = pack([([1, 2, 3], [4, 5]), ([6], [7, 8, 9, 10]), ([11, 12], [13])], pad_to_multiple_of=8)
+    assert pb.num_tokens == 16 and pb.num_padding == 3
+    kw = pb.varlen_kwargs()
+    assert kw["cu_seq_lens_q"].tolist() == [0, 5, 10, 13, 16] and kw["cu_seq_lens_q"].dtype == torch.int32
+    assert kw["max_length_q"] == 5 and kw["cu_seq_lens_k"] is kw["cu_seq_lens_q"]
+    cu, m = cu_seqlens_from_position_ids(pb.position_ids)
+    assert cu.tolist() == kw["cu_seq_lens_q"].tolist() and m == 5
+    assert pb.attention_mask("varlen") is None
+    unpadded = pack([([1, 2], [3])])
+    assert unpadded.varlen_kwargs()["cu_seq_lens_q"].tolist() == [0, 3]
+
+
+def test_varlen_attention_function_equals_one_causal_attention_per_sample():
+    import torch.nn.functional as F
+    from actors.attention import varlen_attention_forward
+
+    g = torch.Generator().manual_seed(0)
+    lens = [5, 9, 3]
+    t = sum(lens)
+    q, k, v = torch.randn(1, 4, t, 8, generator=g), torch.randn(1, 2, t, 8, generator=g), torch.randn(1, 2, t, 8, generator=g)
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    out, _ = varlen_attention_forward(None, q, k, v, None, scaling=0.3, position_ids=pos)
+    assert out.shape == (1, t, 4, 8)
+    a = 0
+    for n in lens:
+        ref = F.scaled_dot_product_attention(q[:, :, a:a + n], k[:, :, a:a + n], v[:, :, a:a + n], is_causal=True,
+                                             scale=0.3, enable_gqa=True)
+        assert torch.allclose(out[0, a:a + n], ref[0].transpose(0, 1), atol=1e-6)
+        a += n

@@ -1,0 +1,147 @@
+"""Packed-row attention for the learner: causal attention inside each sample of one packed row.
+
+A packed micro-batch is one row [1, T] holding whole samples back to back (policies/packing.py).
+Attention must not cross sample boundaries. The implementations, in order of preference:
+
+- flash_attention_2/3 (transformers' own, needs the flash_attn package): varlen from position_ids.
+- "varlen" (this module): torch's `torch.nn.attention.varlen.varlen_attn` (torch >= 2.11, a Flash
+  kernel, CUDA only) over the row, cut by the PackedBatch's cu_seqlens, which the learner passes
+  to the model as `cu_seq_lens_q` / `max_length_q` (transformers forwards them to the attention
+  function); without them they are derived from the restarting position ids. GQA is native, no
+  [T, T] mask is ever built. Registered with transformers' AttentionInterface under "varlen".
+- sdpa / eager with the block-diagonal [1, 1, T, T] additive mask (PackedBatch.attention_mask):
+  the CPU path, and the fallback. It is exact but computes all T^2 scores of the row (on an H200
+  at 32k tokens: 3.5x slower than varlen and 87 GiB, docs/perf/h200.md).
+
+Off CUDA, or where varlen_attn is missing, the "varlen" function runs one sdpa(is_causal) per
+sample instead (same contract, slower): that is what lets the CPU tests run the registered
+function, its kwargs plumbing and the cu_seqlens from the packing, end to end.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+
+from policies.packing import FLASH_ATTENTION_IMPLS, VARLEN, needs_dense_mask  # noqa: F401  (re-exported)
+
+
+def torch_varlen_available() -> bool:
+    """torch ships varlen_attn (2.11+). It has CUDA kernels only (checked: torch 2.13 CPU raises)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def select_attn_implementation(requested: str, device: torch.device | str) -> str:
+    """The attention implementation the learner builds its model with.
+
+    - "varlen": always honoured (on CPU it runs the per-sample sdpa loop; see the module doc).
+    - "sdpa" or "auto" on CUDA without flash_attn, where torch has varlen_attn: "varlen", because
+      sdpa over a packed row needs the dense block-diagonal mask.
+    - "auto" on CUDA with flash_attn installed: "flash_attention_2".
+    - "auto" elsewhere: "sdpa" (block-diagonal mask). Anything else: unchanged.
+    """
+    dev = torch.device(device)
+    if requested == VARLEN:
+        return VARLEN
+    if requested not in ("sdpa", "auto"):
+        return requested
+    if dev.type == "cuda":
+        if requested == "auto" and flash_attn_installed():
+            return "flash_attention_2"
+        if not flash_attn_installed() and torch_varlen_available():
+            return VARLEN
+    return "sdpa"
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens int32 [S + 1] on the ids' device, longest segment) from ids restarting at 0.
+
+    Every position where the id is 0 starts a segment; trailing padding (ids restarting at 0 too)
+    is a segment of its own. One device->host copy: use the PackedBatch's cu_seqlens when there.
+    """
+    pos = position_ids.reshape(-1)
+    t = pos.numel()
+    starts = (pos == 0).nonzero().reshape(-1)
+    if starts.numel() == 0 or int(starts[0]) != 0:
+        starts = torch.cat([torch.zeros(1, dtype=starts.dtype, device=starts.device), starts])
+    cu = torch.cat([starts, torch.full((1,), t, dtype=starts.dtype, device=starts.device)]).to(torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max()) if t else 0
+    return cu, max_len
+
+
+def _per_sample_sdpa(q, k, v, cu: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D] -> [T, H, D], one sdpa(is_causal) per segment."""
+    import torch.nn.functional as F
+
+    bounds = cu.tolist()
+    outs = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b <= a:
+            continue
+        qs, ks, vs = (x[a:b].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                           enable_gqa=qs.shape[1] != ks.shape[1])
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs, 0)
+
+
+def _torch_varlen(q, k, v, cu: torch.Tensor, max_len: int, scale: float | None) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0),
+                       enable_gqa=q.shape[1] != k.shape[1])
+
+
+def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                             sliding_window: int | None = None, **kwargs: Any):
+    """transformers attention function: query [1, H, T, D], key/value [1, Hkv, T, D] -> ([1, T, H, D], None).
+
+    Causal within each segment given by `cu_seq_lens_q` (+ `max_length_q`), else by `position_ids`.
+    """
+    if query.shape[0] != 1:
+        raise ValueError(f"varlen attention takes one packed row, got batch {query.shape[0]}")
+    if dropout:
+        raise NotImplementedError("varlen attention: attention dropout is not supported")
+    if sliding_window is not None:
+        raise NotImplementedError("varlen attention: sliding-window layers are not supported")
+    cu = kwargs.get("cu_seq_lens_q")
+    max_len = kwargs.get("max_length_q")
+    if cu is None:
+        pos = kwargs.get("position_ids")
+        if pos is None:
+            raise ValueError("varlen attention needs cu_seq_lens_q or position_ids")
+        cu, max_len = cu_seqlens_from_position_ids(pos)
+    t = query.shape[2]
+    cu = cu.to(device=query.device, dtype=torch.int32)
+    if max_len is None:
+        max_len = int((cu[1:] - cu[:-1]).max())
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
+    if query.is_cuda and torch_varlen_available():
+        out = _torch_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu, int(max_len), scaling)
+    else:
+        out = _per_sample_sdpa(q, k, v, cu, scaling)
+    if out.shape[0] != t:
+        raise ValueError(f"cu_seqlens cover {out.shape[0]} of the row's {t} positions")
+    return out.unsqueeze(0), None
+
+
+def register() -> str:
+    """Registers "varlen" with transformers' AttentionInterface (idempotent). Returns the name.
+
+    No mask function is registered on purpose: for a name transformers has no mask function for,
+    create_causal_mask returns None without looking at the position ids (no [T, T] work at all).
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN, varlen_attention_forward)
+    return VARLEN
