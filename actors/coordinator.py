@@ -301,7 +301,10 @@ class Coordinator:
         path = self.checkpoint_dir(step)
         path.mkdir(parents=True, exist_ok=True)
         await call(self.learner, "save", str(path / "learner"))
-        state = {"step": step, "version": self.version, "cursor": self.cursor.state(),
+        # The cursor where step+1 starts: the next step's prompts may already be published
+        # (taken from the cursor) when this checkpoint is written; a resume must take them again.
+        cursor = getattr(self, "_cursor_before", {}).get(step + 1, self.cursor.state())
+        state = {"step": step, "version": self.version, "cursor": cursor,
                  "outcomes": _count(self.ledger.values()), "ledger": self.ledger,
                  "resyncs": getattr(self, "resyncs", 0)}
         (path / "coordinator.json").write_text(json.dumps(state))
@@ -362,6 +365,8 @@ class Coordinator:
         pending: list[tuple[int, list[str]]] = []  # async mode: steps published ahead
 
         async def publish_step(step: int) -> None:
+            self._cursor_before = {s: c for s, c in getattr(self, "_cursor_before", {}).items() if s >= step - 1}
+            self._cursor_before[step] = self.cursor.state()
             tasks = self._tasks(step, self.cursor.take(per_step), self.version)
             pending.append((step, await self._publish(tasks)))
 
