@@ -57,6 +57,11 @@ def prepare_model_and_data(cfg: RunConfig, run_dir: Path, log) -> tuple[str, str
             log.info("building synthetic task", dir=bird_dir, databases=cfg.data.synthetic_databases,
                      questions=cfg.data.synthetic_questions)
             write_dataset(bird_dir, cfg.data.synthetic_databases, cfg.data.synthetic_questions, cfg.data.synthetic_seed)
+    else:  # a broken BIRD directory is reported before minutes of model building
+        from tasks.bird import load_split
+
+        for split in (cfg.data.train_split, cfg.data.eval_split):
+            load_split(bird_dir, split)
     model_path = cfg.model.path
     if cfg.model.source == "tiny":
         from tasks.synthetic import texts_for_tokenizer
@@ -64,6 +69,9 @@ def prepare_model_and_data(cfg: RunConfig, run_dir: Path, log) -> tuple[str, str
 
         model_path = str(run_dir / "model")
         log.info("building tiny tokenizer and model", dir=model_path)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # the console keeps to our lines (and `error: ...`)
         build_tiny(model_path, texts_for_tokenizer(bird_dir), seed=cfg.seed, model_cfg=cfg.model)
     elif not cfg.model.allow_download and not Path(model_path).exists():
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a hub id then loads only from the local cache
