@@ -52,7 +52,9 @@ def ensure_process_group(device: torch.device) -> None:
 
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+    # A world of one needs no agreed port: always take a free one, so a MASTER_PORT inherited
+    # from a parent process (whose own group may hold that port) cannot collide.
+    if "RANK" not in os.environ or os.environ.get("WORLD_SIZE", "1") == "1":
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
                           WORLD_SIZE="1", LOCAL_RANK="0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
