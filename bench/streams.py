@@ -1,6 +1,6 @@
 """RolloutGroup-sized messages through publish -> consume -> ack on the embedded Redis.
 
-    python -m bench.queue [--groups 2000] [--rate 200]
+    python -m bench.streams [--groups 2000] [--rate 200]
 
 Prints groups/s and p50/p99 latency at a paced rate and flat out, and msgspec msgpack
 against json and pickle for the same payload (encode+decode time and bytes).
