@@ -13,11 +13,11 @@ from bench.chaos import phase_resume, phase_workers
 
 
 def test_worker_and_redis_kills_lose_nothing(tmp_path):
-    r = phase_workers(tmp_path, kills=3, steps=7, sft=10, per_step=8, seed=1, redis_kills=1)
+    r = phase_workers(tmp_path, kills=3, steps=10, sft=10, per_step=8, seed=1, redis_kills=1, gap=(0.1, 0.6))
     assert r["rc"] == 0, r
     assert len(r["injected"]) == 4 and {k["kind"] for k in r["injected"]} == {"generator", "scorer", "assembler",
                                                                                 "redis"}, r["injected"]
-    assert r["steps_completed"] == 7 and r["prompts"] == 7 * 8
+    assert r["steps_completed"] == 10 and r["prompts"] == 10 * 8
     assert (r["lost"], r["doubled"], r["bad_rows"]) == (0, 0, 0), r["problems"]
     assert r["leftovers"] == []
 
