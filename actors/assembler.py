@@ -224,9 +224,14 @@ class Assembler:
         groups = [self.buffer[t] for t in task_ids if t in self.buffer]
         verdicts = [g.verdicts[0] if g.verdicts else "failed" for _, g in groups]
         n = max(1, len(task_ids))
+        rewards = [r for _, g in groups for r in g.rewards]
         result = {"eval_accuracy": sum(v == "match" for v in verdicts) / n,
                   "eval_valid_sql": sum(v in ("match", "wrong_result") for v in verdicts) / n,
-                  "eval_answered": len(groups) / n}
+                  "eval_answered": len(groups) / n,
+                  # over every sample of every group (groups of n > 1: the sampled eval)
+                  "eval_reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+                  "eval_sample_accuracy": (sum(v == "match" for _, g in groups for v in g.verdicts)
+                                           / max(1, sum(len(g.verdicts) for _, g in groups)))}
         await self._memo_put(key, result)
         self.resolved.update({t: "eval" for t in task_ids})
         await self.scored.ack([msg_id for msg_id, _ in groups])

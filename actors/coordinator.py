@@ -207,14 +207,25 @@ class Coordinator:
     async def _eval(self) -> dict[str, float]:
         if not self.eval_items:
             return {}
-        tasks = [PromptTask(task_id=f"{EVAL_PREFIX}{self.step}:{k}", prompt_id=f"{EVAL_PREFIX}{it.prompt_id}", step=-1,
-                            policy_version=self.version, prompt_tokens=it.prompt_tokens, n=1, db_id=it.db_id,
-                            db_path=it.db_path, gold_sql=it.gold_sql, difficulty=it.difficulty,
-                            sampling={"temperature": 0.0}, published_at=time.time())
-                 for k, it in enumerate(self.eval_items)]
+        def tasks(tag: str, n: int, sampling: dict) -> list[PromptTask]:
+            return [PromptTask(task_id=f"{EVAL_PREFIX}{self.step}:{tag}{k}", prompt_id=f"{EVAL_PREFIX}{it.prompt_id}",
+                               step=-1, policy_version=self.version, prompt_tokens=it.prompt_tokens, n=n,
+                               db_id=it.db_id, db_path=it.db_path, gold_sql=it.gold_sql, difficulty=it.difficulty,
+                               sampling=sampling, published_at=time.time())
+                    for k, it in enumerate(self.eval_items)]
+
         start = time.perf_counter()
-        ids = await self._publish(tasks)
-        result = await call(self.assembler, "collect_eval", ids, self.cfg.coordinator.step_timeout_s)
+        timeout = self.cfg.coordinator.step_timeout_s
+        greedy_ids = await self._publish(tasks("g", 1, {"temperature": 0.0}))
+        sampled_ids = []
+        if self.cfg.data.eval_samples > 0:  # held-out reward at the training temperature
+            sampled_ids = await self._publish(tasks("s", self.cfg.data.eval_samples, {}))
+        greedy = await call(self.assembler, "collect_eval", greedy_ids, timeout)
+        result = {k: v for k, v in greedy.items() if k not in ("eval_reward_mean", "eval_sample_accuracy")}
+        if sampled_ids:
+            sampled = await call(self.assembler, "collect_eval", sampled_ids, timeout)
+            result["eval_reward_mean"] = sampled["eval_reward_mean"]
+            result["eval_sample_accuracy"] = sampled["eval_sample_accuracy"]
         result["time_eval"] = time.perf_counter() - start
         return result
 

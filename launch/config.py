@@ -34,6 +34,7 @@ class DataConfig(_Section):
     max_prompt_tokens: int = 4096  # prompts over this budget are dropped at load time (counted)
     sample_values: int = 3  # sample values per column shown in the schema
     eval_size: int = 64  # held-out prompts per periodic eval (0: the whole eval split)
+    eval_samples: int = 0  # >0: also sample this many per held-out prompt at the training temperature
     shuffle_seed: int = 1234
     limit: int = 0  # use only the first N training questions (0: all)
 

@@ -89,9 +89,11 @@ def _progress(run_dir: Path, seen: int, log) -> int:
     for line in lines[seen:]:
         row = json.loads(line)
         if row.get("step", 0) < 0:
-            print(f"eval  accuracy {row.get('eval_accuracy', 0):.3f}", flush=True)
+            print(f"eval  accuracy {row.get('eval_accuracy', 0):.3f}  held-out reward {row.get('eval_reward_mean', 0):.3f}",
+                  flush=True)
             continue
-        ev = f"  eval {row['eval_accuracy']:.3f}" if row.get("eval_accuracy") is not None else ""
+        ev = (f"  eval acc {row['eval_accuracy']:.3f} reward {row.get('eval_reward_mean', 0):.3f}"
+              if row.get("eval_accuracy") is not None else "")
         print(f"step {row['step']:>4}  reward {row.get('reward_mean', 0):.3f}  acc {row.get('accuracy', 0):.3f}"
               f"  len {row.get('response_len_mean', 0):5.1f}  trained {int(row.get('prompts_trained', 0)):>3}"
               f"/{int(row.get('prompts', 0))}  {row.get('time_step', 0):5.1f}s{ev}", flush=True)

@@ -24,7 +24,7 @@ def tiny() -> RunConfig:
     return RunConfig(
         name="tiny",
         data=DataConfig(synthetic=True, synthetic_databases=3, synthetic_questions=480, max_prompt_tokens=256,
-                        eval_size=48, sample_values=0),
+                        eval_size=48, eval_samples=4, sample_values=0),
         model=ModelConfig(source="tiny", dtype="float32", tiny_hidden_size=128, tiny_layers=2, tiny_heads=4,
                           tiny_kv_heads=2, tiny_intermediate_size=256, tiny_vocab_size=640, tiny_sft_steps=120,
                           tiny_sft_lr=3e-3),
