@@ -147,7 +147,10 @@ class Assembler:
     def _take(self, msg_id: str, data: bytes) -> None:
         group = codec(ScoredGroup).decode(data)
         task_id = group.rollout.task.task_id
-        if task_id in self.buffer or task_id in self.resolved:
+        held = self.buffer.get(task_id)
+        if held is not None and held[0] == msg_id:
+            return  # our own unacked message, reclaimed back to us: it must stay pending until collect
+        if held is not None or task_id in self.resolved:
             self.duplicates += 1
             asyncio.get_running_loop().create_task(self.scored.ack([msg_id]))
             return

@@ -1,0 +1,67 @@
+"""Assembler: outcomes, staleness, dedup and ack-after-publish, against a real redis-server."""
+import asyncio
+
+from actors.assembler import FAILED, FILTERED, GOLD_FAILED, STALE, TRAINED, Assembler, admit, build_batch
+from launch.config import AssemblerConfig
+from queues.messages import (PromptTask, RolloutGroup, Sample, ScoredGroup, TrainBatch, codec, pack_floats,
+                             pack_ids)
+from queues.streams import Stream, connect
+
+
+def scored(task_id, rewards, version=0, error="", gold_failed=False, completion_len=3):
+    task = PromptTask(task_id=task_id, prompt_id=f"q{task_id}", step=0, policy_version=version,
+                      prompt_tokens=pack_ids(range(5)), n=len(rewards))
+    samples = [] if error else [Sample(tokens=pack_ids(range(completion_len)), logprobs=pack_floats([-1.0] * completion_len),
+                                       finish_reason="stop") for _ in rewards]
+    rollout = RolloutGroup(task=task, samples=samples, policy_version=version, error=error)
+    return ScoredGroup(rollout=rollout, rewards=list(rewards), verdicts=["match" if r == 1 else "wrong_result" for r in rewards],
+                       gold_failed=gold_failed)
+
+
+def test_every_group_gets_one_outcome():
+    cfg = AssemblerConfig(max_staleness=1)
+    assert admit(scored("a", [1.0, 0.0]), 0, cfg) == TRAINED
+    assert admit(scored("b", [1.0, 1.0]), 0, cfg) == FILTERED
+    assert admit(scored("c", [1.0, 0.0], version=0), 2, cfg) == STALE
+    assert admit(scored("c", [1.0, 0.0], version=1), 2, cfg) == TRAINED
+    assert admit(scored("d", [1.0, 0.0], gold_failed=True), 0, cfg) == GOLD_FAILED
+    assert admit(scored("e", [], error="empty prompt"), 0, cfg) == FAILED
+
+
+def test_batch_packs_every_kept_sample_once_within_budget():
+    cfg = AssemblerConfig(micro_batch_tokens=20, minibatches_per_step=2)
+    groups = [scored(str(i), [1.0, 0.0, 0.1], completion_len=3 + i) for i in range(4)]
+    batch = build_batch(7, 3, groups, cfg)
+    flat = sorted(pair for mb in batch.micro_batches for pair in mb)
+    assert flat == [(g, s) for g in range(4) for s in range(3)]
+    for mb in batch.micro_batches:
+        assert sum(5 + 3 + g for g, _ in mb) <= 20
+    assert sorted(i for m in batch.minibatches for i in m) == list(range(len(batch.micro_batches)))
+    assert len(batch.minibatches) == 2
+    for g in batch.groups:
+        assert abs(sum(g.advantages)) < 1e-9  # group-normalised
+
+
+async def test_collect_acks_only_after_the_batch_and_ignores_redelivery(redis_url):
+    redis = await connect(redis_url)
+    scored_stream = Stream(redis, "r", "scored", group="assembler")
+    await scored_stream.ensure_group()
+    asm = Assembler(AssemblerConfig(), reclaim_idle_s=0.2)
+    await asm.start(redis_url, "r")
+    enc = codec(ScoredGroup).encode
+    for tid, rewards in [("0:0:0", [1.0, 0.0]), ("0:1:0", [0.0, 0.0])]:
+        await scored_stream.publish(enc(scored(tid, rewards)))
+    await asm.wait_for(["0:0:0", "0:1:0"], 5)
+    await asyncio.sleep(0.6)  # longer than reclaim_idle: the assembler reclaims its own held messages
+    assert (await scored_stream.depth())["pending"] == 2  # still unacked: nothing acked before the batch
+    await scored_stream.publish(enc(scored("0:0:0", [1.0, 0.0])))  # a redelivered copy
+    await asyncio.sleep(0.3)
+    result = await asm.collect(0, ["0:0:0", "0:1:0", "0:2:0"], version=0, timeout_s=1.0)
+    assert result["outcomes"] == {"0:0:0": TRAINED, "0:1:0": FILTERED, "0:2:0": FAILED}
+    assert result["published"] and result["metrics"]["duplicates_ignored"] == 1
+    assert (await scored_stream.depth())["pending"] == 0
+    batches = Stream(redis, "r", "batches", group="learner")
+    [(_, data)] = await batches.consume("l", count=5, block_ms=100)
+    batch = codec(TrainBatch).decode(data)
+    assert batch.step == 0 and [g.prompt_id for g in batch.groups] == ["q0:0:0"]
+    await asm.stop()
