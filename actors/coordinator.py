@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 
 from launch.config import RunConfig
+from launch.ray_metrics import export as export_ray_metrics
 from queues.messages import Event, PromptTask, codec
 
 EVAL_PREFIX = "eval:"
@@ -404,6 +405,7 @@ class Coordinator:
                 m["time_checkpoint"] = time.perf_counter() - t
             if self.metrics_logger is not None:
                 self.metrics_logger.log_step(step, m)
+            export_ray_metrics("coordinator", m)
             if self.log is not None:
                 self.log.info("step", step=step, reward=round(m.get("reward_mean", 0), 3),
                               accuracy=round(m.get("accuracy", 0), 3), eval=m.get("eval_accuracy"),

@@ -312,7 +312,13 @@ class GeneratorActor:
 
     async def run(self, redis_url: str, run_id: str, generator_id: str) -> None:
         await self._weights_ready.wait()  # a restarted generator waits for the current weights
-        await self.gen.run(redis_url, run_id, generator_id)
+        from launch.ray_metrics import export_periodically
+
+        exporter = asyncio.create_task(export_periodically(generator_id, self.gen.stats))
+        try:
+            await self.gen.run(redis_url, run_id, generator_id)
+        finally:
+            exporter.cancel()
 
     async def pid(self) -> int:
         import os

@@ -157,7 +157,13 @@ if ray is not None:
             self.loop = ScorerLoop(self.scorer, consumer=self.scorer.scorer_id, reclaim_idle_s=reclaim_idle_s)
 
         async def run(self, redis_url: str, run_id: str, high_water: int = 4096) -> None:
-            await self.loop.run(redis_url, run_id, high_water)
+            from launch.ray_metrics import export_periodically
+
+            exporter = asyncio.create_task(export_periodically(self.scorer.scorer_id or "scorer", self.scorer.stats))
+            try:
+                await self.loop.run(redis_url, run_id, high_water)
+            finally:
+                exporter.cancel()
 
         async def stop(self) -> None:
             self.loop.stop()
