@@ -216,6 +216,16 @@ class Assembler:
             self.buffer.pop(t, None)
         return result
 
+    async def peek(self, task_ids: list[str], version: int, timeout_s: float = 3600.0) -> dict[str, str]:
+        """The outcome each task would get now (waits for their groups); changes nothing.
+
+        The coordinator uses it to top up a step whose groups were filtered (replace_filtered);
+        being side-effect free, a retry after a restart gives the same answer."""
+        await self._ensure_started()
+        missing = set(await self.wait_for(task_ids, timeout_s))
+        return {t: (self.resolved[t] if t in self.resolved else FAILED if t in missing
+                    else admit(self.buffer[t][1], version, self.cfg)) for t in task_ids}
+
     async def collect_eval(self, task_ids: list[str], timeout_s: float = 600.0) -> dict[str, float]:
         """Execution accuracy of greedy eval groups (never trained)."""
         await self._ensure_started()

@@ -152,10 +152,10 @@ class Coordinator:
             return 0
         return len(lagging)
 
-    def _tasks(self, step: int, indices: list[int], version: int) -> list[PromptTask]:
+    def _tasks(self, step: int, indices: list[int], version: int, first_slot: int = 0) -> list[PromptTask]:
         n = self.cfg.generator.n_samples
         now = time.time()
-        return [PromptTask(task_id=f"{step}:{slot}:0", prompt_id=self.train_items[i].prompt_id, step=step,
+        return [PromptTask(task_id=f"{step}:{first_slot + slot}:0", prompt_id=self.train_items[i].prompt_id, step=step,
                            policy_version=version, prompt_tokens=self.train_items[i].prompt_tokens, n=n,
                            db_id=self.train_items[i].db_id, db_path=self.train_items[i].db_path,
                            gold_sql=self.train_items[i].gold_sql, difficulty=self.train_items[i].difficulty,
@@ -240,12 +240,33 @@ class Coordinator:
 
     # -- the step ----------------------------------------------------------------------------
 
+    async def _top_up(self, step: int, task_ids: list[str], rounds: int = 2) -> tuple[list[str], float]:
+        """Replaces filtered/dropped prompts with fresh ones until the step has prompts_per_step
+        kept groups, for at most `rounds` rounds (dynamic sampling). Costs the scoring wait of each
+        round, so it is off by default. Every replacement is a task of its own in the ledger."""
+        want = self.cfg.coordinator.prompts_per_step
+        ids = list(task_ids)
+        added = 0
+        for _ in range(rounds):
+            outcomes = await call(self.assembler, "peek", ids, self.version, self.cfg.coordinator.step_timeout_s)
+            short = want - sum(o == "trained" for o in outcomes.values())
+            if short <= 0:
+                break
+            new = await self._publish(self._tasks(step, self.cursor.take(short), self.version, first_slot=len(ids)))
+            await self._wait_generated(new, self.cfg.coordinator.step_timeout_s)
+            ids += new
+            added += len(new)
+        return ids, float(added)
+
     async def run_step(self, step: int, task_ids: list[str], next_publish=None) -> dict[str, float]:
         cfg = self.cfg
         colocated = cfg.coordinator.mode == "colocated"
         t0 = time.perf_counter()
         m: dict[str, float] = {}
         last_generated = await self._wait_generated(task_ids, cfg.coordinator.step_timeout_s)
+        if cfg.assembler.replace_filtered:
+            task_ids, m["prompts_replacement"] = await self._top_up(step, task_ids)
+            last_generated = await self._wait_generated(task_ids, cfg.coordinator.step_timeout_s)
         gen_done = time.perf_counter()
         m["time_generation"] = gen_done - t0
         if colocated:

@@ -34,8 +34,8 @@ def tiny() -> RunConfig:
         assembler=AssemblerConfig(micro_batch_tokens=4096, filter_zero_variance=True, num_cpus=0.25),
         learner=LearnerConfig(zero_stage=0, dtype="float32", lr=3e-4, betas=[0.9, 0.99], grad_clip=1.0,
                               update_epochs=1, clip_low=0.2, clip_high=0.28, device="cpu", num_cpus=0.5),
-        coordinator=CoordinatorConfig(mode="colocated", steps=60, prompts_per_step=16, eval_every=20,
-                                      checkpoint_every=20, weight_sync="object_store", num_cpus=0.25),
+        coordinator=CoordinatorConfig(mode="colocated", steps=100, prompts_per_step=16, eval_every=25,
+                                      checkpoint_every=25, weight_sync="object_store", num_cpus=0.25),
         cluster=ClusterConfig(num_cpus=2, gpus_per_node=0),
     )
 
