@@ -3,35 +3,33 @@ import json
 import subprocess
 import sys
 
+OUTCOMES = ("trained", "filtered", "stale", "gold_failed", "failed")
 
-def test_tiny_run_accounts_for_every_prompt(tmp_path):
+
+def run_tiny(tmp_path, run_id: str, *overrides: str) -> list[dict]:
+    """A 3-step tiny run of 8 prompts per step; returns its per-step metrics rows."""
     out = subprocess.run([sys.executable, "-m", "launch.cluster", "tiny", f"run_root={tmp_path}", "coordinator.steps=3",
                           "model.tiny_sft_steps=20", "coordinator.eval_every=0", "coordinator.checkpoint_every=0",
-                          "coordinator.prompts_per_step=8", "run_id=e2e"],
+                          "coordinator.prompts_per_step=8", f"run_id={run_id}", *overrides],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "e2e" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / run_id / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] >= 0]
     assert [r["step"] for r in steps] == [0, 1, 2]
-    for r in steps:
-        outcomes = sum(r.get(f"prompts_{k}", 0) for k in ("trained", "filtered", "stale", "gold_failed", "failed"))
-        assert r["prompts"] == 8 and outcomes == 8, r
+    return steps
+
+
+def test_tiny_run_accounts_for_every_prompt(tmp_path):
+    for r in run_tiny(tmp_path, "e2e"):
+        assert r["prompts"] == sum(r.get(f"prompts_{k}", 0) for k in OUTCOMES) == 8, r
     assert (tmp_path / "e2e" / "checkpoints" / "latest").exists()
 
 
 def test_tiny_async_mode_with_replacement_prompts(tmp_path):
     """Async (generation one version ahead) plus top-up of filtered prompts: still one outcome each."""
-    out = subprocess.run([sys.executable, "-m", "launch.cluster", "tiny", f"run_root={tmp_path}", "coordinator.steps=3",
-                          "model.tiny_sft_steps=20", "coordinator.eval_every=0", "coordinator.checkpoint_every=0",
-                          "coordinator.prompts_per_step=8", "coordinator.mode=async", "assembler.max_staleness=1",
-                          "assembler.replace_filtered=true", "run_id=async"],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if r["step"] >= 0]
-    assert [r["step"] for r in steps] == [0, 1, 2]
+    steps = run_tiny(tmp_path, "async", "coordinator.mode=async", "assembler.max_staleness=1",
+                     "assembler.replace_filtered=true")
     for r in steps:
-        outcomes = sum(r.get(f"prompts_{k}", 0) for k in ("trained", "filtered", "stale", "gold_failed", "failed"))
-        assert r["prompts"] == outcomes == 8 + r["prompts_replacement"], r
+        assert r["prompts"] == sum(r.get(f"prompts_{k}", 0) for k in OUTCOMES) == 8 + r["prompts_replacement"], r
         assert r.get("time_generator_sleep") is None  # async mode never sleeps the engines
-    assert any(r["prompts_replacement"] > 0 for r in steps)  # tiny's warm start leaves groups to replace
+    assert any(r["prompts_replacement"] > 0 for r in steps)  # tiny's short warm start leaves groups to replace
