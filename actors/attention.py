@@ -19,6 +19,7 @@ function, its kwargs plumbing and the cu_seqlens from the packing, end to end.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Any
 
@@ -94,11 +95,36 @@ def _per_sample_sdpa(q, k, v, cu: torch.Tensor, scale: float | None) -> torch.Te
     return torch.cat(outs, 0)
 
 
+@functools.lru_cache(maxsize=None)
+def varlen_call_style(parameters: tuple[str, ...]) -> tuple[str, bool]:
+    """How this torch's `varlen_attn` takes causality and GQA, from its parameter names.
+
+    torch 2.11 (the H200 image) has neither `window_size` nor `enable_gqa`: causal is `is_causal`
+    and grouped K/V heads are repeated here; torch 2.13 takes `window_size=(-1, 0)` and
+    `enable_gqa`. Returns (causal keyword, whether GQA is native).
+    """
+    if "is_causal" in parameters:
+        causal = "is_causal"
+    elif "window_size" in parameters:
+        causal = "window_size"
+    else:
+        raise RuntimeError(f"torch's varlen_attn takes neither is_causal nor window_size: {parameters}")
+    return causal, "enable_gqa" in parameters
+
+
 def _torch_varlen(q, k, v, cu: torch.Tensor, max_len: int, scale: float | None) -> torch.Tensor:
+    import inspect
     from torch.nn.attention.varlen import varlen_attn
 
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0),
-                       enable_gqa=q.shape[1] != k.shape[1])
+    causal, native_gqa = varlen_call_style(tuple(inspect.signature(varlen_attn).parameters))
+    kw: dict[str, Any] = {"scale": scale, **({"is_causal": True} if causal == "is_causal" else {"window_size": (-1, 0)})}
+    if q.shape[1] != k.shape[1]:
+        if native_gqa:
+            kw["enable_gqa"] = True
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
 
 
 def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -2,14 +2,16 @@
 sleep/train/sync handshake with CUDA-IPC weight sync between two processes on one GPU.
 
     python -m bench.h200                      # MODE=all: learner variants, then the colocated handshake
-    MODE=learner VARIANTS=1.7B:z0:varlen:lk python -m bench.h200
+    MODE=learner VARIANTS=1.7B:0:varlen:lk:16384:nogc python -m bench.h200
     MODE=colo python -m bench.h200
     SMOKE=1 python -m bench.h200              # CPU, tiny shapes: checks the plumbing only
 
-Env: MODE (learner|colo|all), VARIANTS (comma list of model:zero:attn:path[:mbtokens], path in
-plain|liger|lk = liger head + liger rope/rms_norm/swiglu kernels), PROMPTS (groups per step, 1),
-STEPS (timed steps, 2), OUT (results dir). Every variant runs in its own process (liger's kernel
-patch is process-wide); results: $OUT/h200_learner.json, $OUT/h200_colo.json, one table printed last.
+Env: MODE (learner|colo|all), VARIANTS (comma list of model:zero:attn:path[:mbtokens[:nogc]]; path:
+plain, liger (the fused head only) or lk (learner.use_liger as shipped: the head plus the liger
+rope/rms_norm/swiglu kernels the Learner applies to its model; before 2026-12-02 evening this script
+patched them in itself); "nogc" turns gradient checkpointing off, on by default), PROMPTS (groups per
+step, 1), STEPS (timed steps, 2), OUT (results dir). Every variant runs in its own process (liger's
+kernel patch is process-wide); results: $OUT/h200_learner.json, $OUT/h200_colo.json, one table last.
 
 attn: "varlen" is the Learner's own packed attention (actors/attention.py: torch varlen_attn over the
 PackedBatch's cu_seqlens on CUDA, one sdpa per sample on CPU), asked for by name and checked against
@@ -187,18 +189,14 @@ def matmul_peak() -> float:
 
 # --------------------------------------------------------------------------- learner construction
 
-def make_learner(model: str, zero: int, attn: str, path: str, mb_tokens: int, lr: float = 1e-6, **extra):
-    """Our Learner over the saved random model; returns (learner, info). Applies the liger kernel
-    patch first when path == 'lk' (this process only)."""
+def make_learner(model: str, zero: int, attn: str, path: str, mb_tokens: int, lr: float = 1e-6, gc: bool = True, **extra):
+    """Our Learner over the saved random model; returns (learner, info). path: plain, liger (the
+    fused head alone: learner.liger_kernels=false) or lk (learner.use_liger as shipped: head + the
+    RoPE/RMSNorm/SwiGLU kernels the Learner applies to its model)."""
     import torch
     from launch.config import LearnerConfig, ModelConfig
 
     info = {}
-    if path == "lk":
-        from liger_kernel.transformers import apply_liger_kernel_to_qwen3
-
-        apply_liger_kernel_to_qwen3(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=False)
     # "varlen": the Learner's own attention (actors/attention.py), asked for by name so the CPU smoke
     # runs it too; on a GPU without flash_attn the Learner picks it for "sdpa" by itself, so the
     # dense-mask sdpa row is forced with "sdpa_dense" below.
@@ -211,14 +209,15 @@ def make_learner(model: str, zero: int, attn: str, path: str, mb_tokens: int, lr
         attention.select_attn_implementation = lambda requested, device: "sdpa"  # this process only
         impl = "sdpa"
     mdir = build_model_dir(model)
-    lcfg = LearnerConfig(zero_stage=zero, dtype="bfloat16", lr=lr, use_liger=path in ("liger", "lk"),
-                         gradient_checkpointing=True, device="cuda" if torch.cuda.is_available() else "cpu",
+    lcfg = LearnerConfig(zero_stage=zero, dtype="bfloat16", lr=lr, use_liger=path in ("liger", "lk"), liger_kernels=path == "lk",
+                         gradient_checkpointing=gc, device="cuda" if torch.cuda.is_available() else "cpu",
                          **extra)
     mcfg = ModelConfig(path=mdir, attn_implementation=impl)
     t = time.perf_counter()
     learner = Learner_cls()(lcfg, mcfg, mdir, total_steps=100, micro_batch_tokens=mb_tokens, temperature=1.0)
     info["init_s"] = round(time.perf_counter() - t, 2)
     info["attn_implementation"] = learner.attn_implementation
+    info["liger_kernels_applied"] = bool(learner.liger_kernels)
     return learner, info
 
 
@@ -267,10 +266,10 @@ def run_variant(spec: dict) -> dict:
 
     model, zero, attn, path, mbt = spec["model"], spec["zero"], spec["attn"], spec["path"], spec["mb_tokens"]
     cuda = torch.cuda.is_available()
-    row = dict(model=model, zero=zero, attn=attn, path=path, mb_tokens=mbt)
+    row = dict(model=model, zero=zero, attn=attn, path=path, mb_tokens=mbt, gc=spec.get("gc", True))
     peak = matmul_peak()
     row["matmul_tflops"] = round(peak / 1e12, 1) if cuda else None
-    learner, info = make_learner(model, zero, attn, path, mbt)
+    learner, info = make_learner(model, zero, attn, path, mbt, gc=row["gc"])
     row.update(info)
     kw = SHAPES[model]
     n_params = sum(p.numel() for p in learner.engine.module.parameters())
@@ -288,7 +287,7 @@ def run_variant(spec: dict) -> dict:
     seqs = [(lp_groups[0][0], c) for c in lp_groups[0][1][:4]]
     with torch.no_grad():
         lps = learner.logprobs(seqs)
-    torch.save([x.float() for x in lps], os.path.join(WORK, f"lp_{model}_{zero}_{attn}_{path}_{mbt}.pt"))
+    torch.save([x.float() for x in lps], os.path.join(WORK, lp_file(row)))
     if cuda:
         torch.cuda.synchronize()
         row["mem_after_init_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
@@ -468,7 +467,7 @@ def run_colo(spec: dict) -> dict:
     ph["engine_init_s"] = round(time.perf_counter() - t, 2)
     memr["engine_ready"] = ready["mem"]
     learner, info = make_learner(model, spec["zero"], spec["attn"], spec["path"], spec["mb_tokens"], lr=spec.get("lr", 1e-4),
-                                 offload_optimizer=spec.get("offload", False))
+                                 gc=spec.get("gc", True), offload_optimizer=spec.get("offload", False))
     ph["learner_init_s"] = info["init_s"]
     res["varlen"] = info.get("varlen")
     memr["both_ready"] = dev_mem()
@@ -671,8 +670,11 @@ SMOKE_VARIANTS = ["smoke:0:varlen:plain:128", "smoke:0:sdpa_dense:plain:128", "s
 def parse_variant(s: str) -> dict:
     parts = s.split(":")
     model, zero, attn, path = parts[:4]
-    mbt = int(parts[4]) if len(parts) > 4 else (32768 if not SMOKE else 128)
-    return dict(model=model, zero=int(zero), attn=attn, path=path, mb_tokens=mbt)
+    mbt = int(parts[4]) if len(parts) > 4 and parts[4] else (32768 if not SMOKE else 128)
+    flags = set(parts[5:])
+    if flags - {"nogc"}:
+        raise SystemExit(f"VARIANTS: unknown flag(s) {sorted(flags - {'nogc'})} in {s!r}; known: nogc")
+    return dict(model=model, zero=int(zero), attn=attn, path=path, mb_tokens=mbt, gc="nogc" not in flags)
 
 
 def child_run(flag: str, spec: dict, timeout: int) -> dict:
@@ -693,6 +695,10 @@ def child_run(flag: str, spec: dict, timeout: int) -> dict:
     return row
 
 
+def lp_file(r: dict) -> str:
+    return f"lp_{r['model']}_{r['zero']}_{r['attn']}_{r['path']}_{r['mb_tokens']}{'' if r.get('gc', True) else '_nogc'}.pt"
+
+
 def lp_compare(rows):
     import torch
 
@@ -700,12 +706,12 @@ def lp_compare(rows):
     for r in rows:
         if "error" in r:
             continue
-        f = os.path.join(WORK, f"lp_{r['model']}_{r['zero']}_{r['attn']}_{r['path']}_{r['mb_tokens']}.pt")
+        f = os.path.join(WORK, lp_file(r))
         if not os.path.exists(f):
             continue
         lp = torch.cat(torch.load(f))
         if r["model"] not in refs:
-            refs[r["model"]] = (lp, f"{r['zero']}:{r['attn']}:{r['path']}")
+            refs[r["model"]] = (lp, f"{r['zero']}:{r['attn']}:{r['path']}{'' if r.get('gc', True) else ':nogc'}")
             r["lp_vs_ref"] = "reference"
             continue
         ref, name = refs[r["model"]]
@@ -714,16 +720,18 @@ def lp_compare(rows):
 
 
 def table(rows):
-    out = ["| model | ZeRO | attn | log-prob path | mb tokens | tokens/step | micro-batches | train tok/s | step tok/s | "
+    out = ["| model | ZeRO | attn | log-prob path | grad ckpt | mb tokens | tokens/step | micro-batches | train tok/s | step tok/s | "
            "MFU train | MFU step | peak GiB | lp vs ref max / mean |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['model']} | {r['zero']} | {r['attn']} | {r['path']} | {r['mb_tokens']} | error: {r['error']} |")
+            out.append(f"| {r['model']} | {r['zero']} | {r['attn']} | {r['path']} | {'on' if r.get('gc', True) else 'off'} | "
+                       f"{r['mb_tokens']} | error: {r['error']} |")
             continue
         lp = r.get("lp_vs_ref")
         lps = lp if isinstance(lp, str) else (f"{lp['max_abs']} / {lp['mean_abs']}" if lp else "")
-        out.append(f"| {r['model']} | {r['zero']} | {r['attn']} | {r['path']} | {r['mb_tokens']} | {r['tokens_per_step']} | "
+        out.append(f"| {r['model']} | {r['zero']} | {r['attn']} | {r['path']} | {'on' if r.get('gc', True) else 'off'} | "
+                   f"{r['mb_tokens']} | {r['tokens_per_step']} | "
                    f"{r['micro_batches']} | {r['tok_s_train']:,} | {r['tok_s_step']:,} | {r.get('mfu_train')} | "
                    f"{r.get('mfu_step')} | {r.get('peak_gib')} | {lps} |")
     return "\n".join(out)
@@ -776,6 +784,10 @@ def main():
             log(f"variant {v}")
             rows.append(child_run("--variant", v, timeout=int(os.environ.get("VARIANT_TIMEOUT", "240"))))
             log("ROWJSON " + json.dumps(rows[-1]))
+            if "error" in rows[-1] and os.environ.get("FAIL_FAST", "1") == "1" and len(rows) == 1:
+                # the first variant failing is almost always the plumbing: don't spend device time on the rest
+                rows += [dict(v2, error="skipped: the first variant failed") for v2 in variants[1:]]
+                break
         lp_compare(rows)
         json.dump(dict(env=info, rows=rows), open(os.path.join(OUT, "h200_learner.json"), "w"), indent=1)
     if mode == "z3diag":

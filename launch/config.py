@@ -117,7 +117,8 @@ class LearnerConfig(_Section):
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     tis_cap: float = 0.0  # >0: truncated importance weight against the sampler's log-probs
-    use_liger: bool = False
+    use_liger: bool = False  # CUDA: liger's fused linear-CE log-prob head (logits never materialised)
+    liger_kernels: bool = True  # with use_liger: also liger's RoPE / RMSNorm / SwiGLU kernels in the model
     gradient_checkpointing: bool = False
     offload_optimizer: bool = False
     device: str = "auto"

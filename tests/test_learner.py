@@ -320,3 +320,39 @@ def test_attention_selection_prefers_varlen_on_cuda_without_flash_attn(monkeypat
     monkeypatch.setattr(attention, "flash_attn_installed", lambda: True)
     assert attention.select_attn_implementation("auto", "cuda") == "flash_attention_2"
     assert attention.select_attn_implementation("sdpa", "cuda") == "sdpa"
+
+
+@pytest.mark.parametrize("torch_version", ["2.11", "2.13"])
+def test_torch_varlen_call_matches_per_sample_sdpa_with_a_fake_varlen_attn_of_each_torch(monkeypatch, torch_version):
+    """varlen_attn has no CPU kernel: a fake with the exact signature of torch 2.11 (is_causal, no GQA)
+    or 2.13 (window_size, enable_gqa) computes per-sample sdpa, so the call _torch_varlen builds for
+    that torch (causal flag, repeated or native GQA heads) is checked for real against the fallback."""
+    import torch.nn.attention.varlen as varlen_mod
+    from actors import attention
+
+    calls = []
+
+    def reference(q, k, v, cu, scale, causal_ok, gqa):
+        calls.append(gqa)
+        assert causal_ok, "the call was not causal"
+        if gqa:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        assert q.shape[1] == k.shape[1], "GQA heads neither repeated nor declared"
+        return attention._per_sample_sdpa(q, k, v, cu, scale)
+
+    if torch_version == "2.11":
+        def fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, scale=None, return_aux=None):
+            return reference(query, key, value, cu_seq_q, scale, is_causal, False)
+    else:
+        def fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                 window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+            return reference(query, key, value, cu_seq_q, scale, tuple(window_size) == (-1, 0), enable_gqa)
+
+    monkeypatch.setattr(varlen_mod, "varlen_attn", fake)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(23, h, 16, generator=g) for h in (4, 2, 2))
+    cu = torch.tensor([0, 7, 15, 23], dtype=torch.int32)
+    got = attention._torch_varlen(q, k, v, cu, 8, 0.25)
+    assert calls == [torch_version == "2.13"]
+    torch.testing.assert_close(got, attention._per_sample_sdpa(q, k, v, cu, 0.25))
