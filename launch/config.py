@@ -150,6 +150,8 @@ class ClusterConfig(_Section):
     gpu_memory_gib: float = 80.0  # per GPU, for the --dry-run memory plan
     num_cpus: int = 0  # local cluster CPUs (0: all)
     dashboard_host: str = "127.0.0.1"
+    ray_loopback: bool = True  # a local cluster's own servers (GCS, raylet, workers, agents) on loopback only;
+    # false: Ray's default (the host's address, all interfaces), e.g. to let other nodes join it
     redis_persistence: bool = False  # embedded Redis with AOF (survives restarts)
     stream_high_water: int = 4096  # publish waits while a stage's backlog is above this
     reclaim_idle_s: float = 30.0  # messages pending this long on a consumer are reclaimed

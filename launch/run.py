@@ -6,6 +6,7 @@ started (Ray workers, redis-server) outlives it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -209,6 +210,38 @@ def start_redis(cfg: RunConfig, run_dir: Path, log):
     return server.url, server
 
 
+# Ray's switch for a local-only node (its default on macOS and Windows): the node's address is 127.0.0.1.
+RAY_LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def ray_on_loopback(enabled: bool):
+    """While a local cluster starts, its node address is loopback, and so is every socket it opens.
+
+    Ray binds by node address: its C++ gRPC servers (GCS, raylet, core workers) listen on 127.0.0.1
+    only when that address is localhost, else on [::]; agents and metrics endpoints follow suit.
+    ray.init(_node_ip_address="127.0.0.1") is rewritten to the host's address
+    (ray/_private/services.py resolve_ip_for_localhost); RAY_LOCAL_ONLY=0 makes
+    services.get_node_ip_address() answer 127.0.0.1. Ray reads it at import
+    (ray_constants.ENABLE_RAY_CLUSTER), so both are set; what ray.init starts inherits it. Both are
+    restored after: a later ray.init(address=...) here must find its node by the host's address."""
+    if not enabled:
+        yield
+        return
+    from ray._private import ray_constants
+
+    saved = os.environ.get(RAY_LOCAL_ONLY), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[RAY_LOCAL_ONLY], ray_constants.ENABLE_RAY_CLUSTER = "0", False
+    try:
+        yield
+    finally:
+        if saved[0] is None:
+            os.environ.pop(RAY_LOCAL_ONLY, None)
+        else:
+            os.environ[RAY_LOCAL_ONLY] = saved[0]
+        ray_constants.ENABLE_RAY_CLUSTER = saved[1]
+
+
 def start_ray(cfg: RunConfig, run_dir: Path, log) -> None:
     import ray
 
@@ -218,9 +251,10 @@ def start_ray(cfg: RunConfig, run_dir: Path, log) -> None:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(num_cpus=cfg.cluster.num_cpus or None, num_gpus=cfg.cluster.gpus_per_node or None,
-                 include_dashboard=True, dashboard_host=cfg.cluster.dashboard_host, runtime_env=runtime_env,
-                 log_to_driver=False, _temp_dir=os.environ.get("ARL_RAY_TMP") or None)
+        with ray_on_loopback(cfg.cluster.ray_loopback):
+            ray.init(num_cpus=cfg.cluster.num_cpus or None, num_gpus=cfg.cluster.gpus_per_node or None,
+                     include_dashboard=True, dashboard_host=cfg.cluster.dashboard_host, runtime_env=runtime_env,
+                     log_to_driver=False, _temp_dir=os.environ.get("ARL_RAY_TMP") or None)
 
 
 def sft_pairs(cfg: RunConfig, items: list, model_path: str) -> list[tuple[list[int], list[int]]]:
