@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import socket
 import time
 from contextlib import nullcontext
 from typing import Any, Iterator, Sequence
@@ -40,26 +39,22 @@ log = structlog.get_logger("arctic_rl.learner")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ensure_process_group(device: torch.device) -> None:
     """DeepSpeed needs a process group; a single process gets a world of one (gloo on CPU)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
-    # A world of one needs no agreed port: always take a free one, so a MASTER_PORT inherited
-    # from a parent process (whose own group may hold that port) cannot collide.
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if "RANK" not in os.environ or os.environ.get("WORLD_SIZE", "1") == "1":
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
-                          WORLD_SIZE="1", LOCAL_RANK="0")
+        # A world of one rendezvous with nobody: an in-process store, so no TCPStore listens on
+        # every interface and no MASTER_PORT inherited from a parent process can collide.
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("LOCAL_RANK", "0")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group(backend)
 
 
 def _skip_cpu_shm_comm_build() -> None:
