@@ -85,6 +85,7 @@ class Coordinator:
         self.history: list[dict[str, float]] = []
         self._generated: dict[str, float] = {}
         self._stop = False
+        self._broadcast_rdv = None  # nccl: the rendezvous of the group every generator joined
 
     # -- streams -----------------------------------------------------------------------------
 
@@ -192,18 +193,47 @@ class Coordinator:
         from actors.weight_sync import drive_bucketed_sync
 
         kind = self.cfg.coordinator.weight_sync
+        if kind == "nccl" and len(generators) < len(self.generators):
+            # A broadcast needs every rank of the group: resyncing only some generators (a
+            # restarted one, from heal_generators) goes through the object store instead, so the
+            # others keep generating. The next full sync rebuilds the group with the newcomer.
+            kind = "object_store"
         if kind in ("object_store", "cuda_ipc"):
             await call(self.learner, "weight_sync_start", version, kind, self.cfg.coordinator.weight_bucket_mb)
-            got = await drive_bucketed_sync(
+            got = [await drive_bucketed_sync(
                 lambda: call(self.learner, "weight_sync_next"),
                 [lambda msg, g=g: call(g, "weight_sync_receive", msg, kind) for g in generators],
-                abort=lambda: call(self.learner, "weight_sync_abort"))
-        else:  # nccl: every rank joins the broadcast at once
-            results = await asyncio.gather(call(self.learner, "weight_sync_broadcast", version),
-                                           *(call(g, "weight_sync_broadcast_receive", version) for g in generators))
-            got = results[-1]
-        if got != version:
-            raise RuntimeError(f"weight sync finished at version {got}, expected {version}")
+                abort=lambda: call(self.learner, "weight_sync_abort"))]
+        else:  # nccl (gloo on CPU): a private group of the learner (rank 0) and every generator
+            await self._broadcast_group()
+            try:
+                got = await asyncio.gather(call(self.learner, "weight_sync_broadcast", version),
+                                           *(call(g, "weight_sync_broadcast_receive", version)
+                                             for g in generators))
+            except BaseException:
+                self._broadcast_rdv = None  # a rank may be gone or the group broken: rebuild it first
+                raise
+        if any(v != version for v in got):
+            raise RuntimeError(f"weight sync finished at versions {got}, expected {version}")
+
+    async def _broadcast_group(self) -> None:
+        """nccl: builds the learner's private group with every generator, on the first sync and
+        again whenever a generator is not a member of it (Ray restarted it) or a sync failed.
+        Every rank must join at once, so the group is always rebuilt whole."""
+        rdv = self._broadcast_rdv
+        if rdv is not None:
+            joined = await asyncio.gather(*(call(g, "weight_sync_group") for g in self.generators))
+            if all(j == rdv for j in joined):
+                return
+        self._broadcast_rdv = None
+        rdv = await call(self.learner, "weight_sync_listen", 1 + len(self.generators),
+                         self.cfg.coordinator.weight_bucket_mb)
+        await asyncio.gather(call(self.learner, "weight_sync_init"),
+                             *(call(g, "weight_sync_join", rdv, rank) for rank, g in enumerate(self.generators, 1)))
+        self._broadcast_rdv = rdv
+        if self.log is not None:
+            self.log.info("weight-sync group built", backend=rdv.backend, world_size=rdv.world_size,
+                          host=rdv.host, port=rdv.port)
 
     async def _eval(self) -> dict[str, float]:
         if not self.eval_items:

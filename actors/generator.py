@@ -305,6 +305,8 @@ class GeneratorActor:
         self._weights_ready = asyncio.Event()
         if not self.needs_weights:
             self._weights_ready.set()
+        self._broadcast = None  # nccl transport: our rank of the learner's group, and its rendezvous
+        self._broadcast_rdv = None
 
     def _weights_loaded(self) -> None:
         self.needs_weights = False
@@ -362,6 +364,34 @@ class GeneratorActor:
 
     async def stats(self) -> dict[str, float]:
         return self.gen.stats()
+
+    async def weight_sync_join(self, rendezvous: Any, rank: int) -> None:
+        """nccl transport: joins the learner's private group (concurrently with every other rank)."""
+        from actors import weight_sync
+
+        old, self._broadcast, self._broadcast_rdv = self._broadcast, None, None
+        if old is not None:
+            try:
+                old.close()
+            except Exception as e:  # noqa: BLE001 - a broken group; the new one replaces it anyway
+                log.warning("closing the previous weight-sync group failed: %s", _one_line(e))
+        receiver = weight_sync.BroadcastReceiver(self.gen.load_weights)
+        await asyncio.to_thread(receiver.init, rendezvous, rank)
+        self._broadcast, self._broadcast_rdv = receiver, rendezvous
+
+    async def weight_sync_group(self) -> Any:
+        """The rendezvous of the group we joined; None after a restart (the coordinator rebuilds)."""
+        return self._broadcast_rdv
+
+    async def weight_sync_broadcast_receive(self, version: int) -> int:
+        """One sync, concurrently with the learner's weight_sync_broadcast and the other ranks'."""
+        if self._broadcast is None:
+            raise RuntimeError("weight_sync_broadcast_receive: this generator is in no weight-sync group "
+                               "(restarted?); weight_sync_join first")
+        got = await self._broadcast.receive_all(version)
+        await self.gen.finish_weight_update(got)
+        self._weights_loaded()
+        return got
 
     async def weight_sync_receive(self, message: Any, kind: str = "object_store") -> int | None:
         """One bucket (or the closing summary) of a bucketed sync; see actors.weight_sync."""

@@ -811,6 +811,35 @@ class LearnerShell:
             self.sender = weight_sync.CudaIpcSender(lambda mb: self.learner.export_weights(mb, device="cuda"), bucket_mb)
         self.sender.start(version)
 
+    def weight_sync_listen(self, world_size: int, bucket_mb: int):
+        """nccl transport, step 1: a new private group (NCCL on GPU, gloo on CPU) replaces any
+        previous one; binds its store and returns the rendezvous the generators join."""
+        from actors import weight_sync
+
+        old, self.broadcaster = getattr(self, "broadcaster", None), None
+        if old is not None:
+            try:
+                old.close()
+            except Exception as e:  # noqa: BLE001 - a broken group (a send may still be failing in its thread)
+                log.warning("learner.weight_sync_close_failed", error=repr(e)[:200])
+        device = self.learner.device
+        self.broadcaster = weight_sync.BroadcastSender(
+            lambda mb: self.learner.export_weights(mb, device=device), bucket_mb,
+            backend="nccl" if device.type == "cuda" else "gloo", device=device)
+        return self.broadcaster.listen(world_size)
+
+    async def weight_sync_init(self) -> None:
+        """Step 2, concurrently with every generator's weight_sync_join."""
+        import asyncio
+
+        await asyncio.to_thread(self.broadcaster.init)
+
+    async def weight_sync_broadcast(self, version: int) -> int:
+        """Each sync, concurrently with every generator's weight_sync_broadcast_receive."""
+        import asyncio
+
+        return (await asyncio.to_thread(self.broadcaster.send, version)).version
+
     def weight_sync_next(self):
         return self.sender.next_bucket()
 

@@ -25,11 +25,18 @@ def test_tiny_run_accounts_for_every_prompt(tmp_path):
     assert (tmp_path / "e2e" / "checkpoints" / "latest").exists()
 
 
-def test_tiny_async_mode_with_replacement_prompts(tmp_path):
-    """Async (generation one version ahead) plus top-up of filtered prompts: still one outcome each."""
+def test_tiny_async_mode_with_replacement_prompts_and_broadcast_weight_sync(tmp_path):
+    """Async (generation one version ahead) plus top-up of filtered prompts: still one outcome each.
+    Weights travel by broadcast in a private group (coordinator.weight_sync=nccl: gloo on CPU),
+    the disaggregated combination: the group is built once and every step's sync reaches it."""
     steps = run_tiny(tmp_path, "async", "coordinator.mode=async", "assembler.max_staleness=1",
-                     "assembler.replace_filtered=true")
+                     "assembler.replace_filtered=true", "coordinator.weight_sync=nccl")
     for r in steps:
         assert r["prompts"] == sum(r.get(f"prompts_{k}", 0) for k in OUTCOMES) == 8 + r["prompts_replacement"], r
         assert r.get("time_generator_sleep") is None  # async mode never sleeps the engines
     assert any(r["prompts_replacement"] > 0 for r in steps)  # tiny's short warm start leaves groups to replace
+    # A sync only completes when the learner and every generator returned its version.
+    assert [(r["policy_version"], r["time_weight_sync"] > 0) for r in steps] == [(1, True), (2, True), (3, True)]
+    log = [json.loads(line) for line in (tmp_path / "async" / "logs" / "coordinator.jsonl").read_text().splitlines()]
+    groups = [e for e in log if e["event"] == "weight-sync group built"]
+    assert [(g["backend"], g["world_size"]) for g in groups] == [("gloo", 2)]  # once, for the warm start's sync

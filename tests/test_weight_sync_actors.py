@@ -1,0 +1,117 @@
+"""The nccl weight-sync transport (gloo on CPU) through the real Ray shells: LearnerShell,
+GeneratorActor (transformers engine) and the Coordinator's sync and heal paths, with generators
+that Ray restarts between syncs."""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+
+import pytest
+import torch
+
+from actors.coordinator import Coordinator
+from launch.recipes import tiny
+from tasks.tiny_model import build_tiny
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _learner_weights(shell) -> dict[str, torch.Tensor]:
+    return shell.learner.state_dict_hf()
+
+
+def _engine_mismatches(actor, want: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose tensor in this generator's engine is not bit-identical to the learner's."""
+    engine = actor.gen.engine
+    return sorted(n for n, t in want.items() if not torch.equal(engine._params[engine._aliases[n]].detach().cpu(), t))
+
+
+class RecordingLog:
+    """Stands in for the coordinator's structlog logger: (level, event) of each call."""
+
+    def __init__(self):
+        self.events: list[tuple[str, str]] = []
+
+    def info(self, event: str, **kw) -> None:
+        self.events.append(("info", event))
+
+    def warning(self, event: str, **kw) -> None:
+        self.events.append(("warning", event))
+
+
+def test_broadcast_sync_rebuilds_its_group_for_restarted_generators(tmp_path, monkeypatch):
+    ray = pytest.importorskip("ray")
+    from actors.generator import GeneratorActor
+    from actors.learner import LearnerActor
+    from launch.place import RESTART
+
+    cfg = tiny()
+    cfg.coordinator.weight_sync = "nccl"
+    model_dir = build_tiny(str(tmp_path / "model"), model_cfg=cfg.model, seed=0)
+    monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    temp_dir = tempfile.mkdtemp(prefix="ray-wsa-", dir="/tmp")
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+    try:
+        learner = LearnerActor.options(max_concurrency=4, num_cpus=0).remote(
+            cfg.learner, cfg.model, model_dir, 10, cfg.assembler.micro_batch_tokens)
+        gens = [GeneratorActor.options(num_cpus=0, **RESTART).remote(cfg.generator, cfg.model, model_dir)
+                for _ in range(2)]
+        coord = Coordinator(cfg, "wsa", str(tmp_path), "", [], [], generators=gens, learner=learner, assembler=None,
+                            log=RecordingLog())
+
+        def train_and_sync(version: int) -> None:
+            """One optimizer step (so the weights change), then the sync every step ends with."""
+            ray.get(learner.sft_step.remote([([5, 6, 7, 8, 9], [10, 11, 12])], 1e-2))
+            asyncio.run(coord.sync_weights(version))
+            coord.version = version
+
+        def check(version: int) -> None:
+            want = ray.get(learner.__ray_call__.remote(_learner_weights))
+            for g in gens:
+                assert ray.get(g.__ray_call__.remote(_engine_mismatches, want)) == []
+                h = ray.get(g.health.remote())
+                assert (h["version"], h["needs_weights"]) == (version, False), h
+
+        def kill(g) -> None:
+            pid = ray.get(g.pid.remote())
+            ray.kill(g, no_restart=False)
+            deadline = time.monotonic() + 120
+            while ray.get(g.pid.remote()) == pid:  # calls wait for (or retry on) the restarted actor
+                assert time.monotonic() < deadline, "the generator was not restarted"
+                time.sleep(0.2)
+            assert ray.get(g.health.remote())["needs_weights"]  # it holds the initial weights
+
+        train_and_sync(1)
+        first = coord._broadcast_rdv
+        assert first is not None and first.backend == "gloo" and first.world_size == 3
+        check(1)
+        train_and_sync(2)
+        assert coord._broadcast_rdv == first  # a healthy group is reused, not rebuilt per sync
+        check(2)
+
+        # Restarted mid-step: heal_generators resyncs it alone (through the object store, while
+        # the other keeps generating); the next step's sync rebuilds the group with it.
+        kill(gens[1])
+        assert asyncio.run(coord.heal_generators(timeout_s=30)) == 1
+        assert ray.get(gens[1].weight_sync_group.remote()) is None
+        check(2)
+        train_and_sync(3)
+        second = coord._broadcast_rdv
+        assert second is not None and second != first
+        check(3)
+
+        # Restarted between steps, unnoticed until the sync: the membership check rebuilds first.
+        kill(gens[0])
+        train_and_sync(4)
+        assert coord._broadcast_rdv not in (None, first, second)
+        check(4)
+        # No sync had to be redone: each restart was seen before a broadcast needed the generator.
+        assert [e for e in coord.log.events if e[1] != "weight-sync group built"] == [
+            ("warning", "resyncing restarted generators")]
+        assert coord.log.events.count(("info", "weight-sync group built")) == 3
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
