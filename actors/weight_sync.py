@@ -708,9 +708,19 @@ class BroadcastSender(_SenderBase, _Broadcaster):
         if world_size < 2:
             raise WeightSyncError(f"a weight-sync group needs the learner and >= 1 generator, world_size={world_size}")
         host = host or node_ip()
-        # Port 0: the OS picks a free port and the store keeps it bound, so nothing can steal it.
-        self._store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=self.timeout,
-                                    wait_for_workers=False)
+        # torch's TCPStore server would listen on every interface: it is handed a socket bound to
+        # this node's address alone (127.0.0.1 in a local run), on a free port; the store owns it.
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.bind((host, 0))
+            listener.listen(max(128, world_size))
+        except OSError as e:
+            listener.close()
+            raise WeightSyncError(f"weight sync: cannot listen on {host}: {e}") from None
+        port = listener.getsockname()[1]
+        self._store = dist.TCPStore(host, port, world_size, is_master=True, timeout=self.timeout,
+                                    wait_for_workers=False, master_listen_fd=listener.detach())
         self._rendezvous = Rendezvous(host=host, port=self._store.port, world_size=world_size,
                                       backend=self.backend, timeout_s=self.timeout.total_seconds())
         return self._rendezvous

@@ -360,3 +360,17 @@ def test_object_store_sync_between_two_ray_actors(monkeypatch):
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_broadcast_store_listens_on_the_rendezvous_host_alone():
+    """torch's TCPStore server binds every interface by itself; the sender hands it a loopback socket."""
+    from tests.test_security import _listening
+
+    sender = ws.BroadcastSender(lambda mb: iter(()), 1, backend="gloo")
+    rdv = sender.listen(2, host="127.0.0.1")
+    try:
+        mine = [a for a in _listening({os.getpid()}) if a.endswith(f":{rdv.port}")]
+        assert mine == [f"0100007F:{rdv.port}"], mine  # 127.0.0.1 as /proc/net/tcp writes it
+    finally:
+        sender.close()
+    assert not [a for a in _listening({os.getpid()}) if a.endswith(f":{rdv.port}")]  # closed with the sender
