@@ -222,11 +222,24 @@ class _OptimizerStateOffload:
     parameters are never touched (the weights stay put for export and the next step). Every tensor
     goes back to the device it came from (AdamW's `step` counters live on the host already). Each
     offload copies, so even on a CPU-only run the state really leaves its storage and comes back.
+
+    `masters` are fp32 master tensors the optimizer holds outside its param_groups between steps:
+    DeepSpeed's stage 3 empties the inner optimizer's param_groups after building its fp32
+    partitions (deepspeed/runtime/zero/stage3.py `_create_fp32_partitions`: `param_group['params'] = []`)
+    and puts `fp32_partitioned_groups_flat[i]` there only for the duration of each sub-group's step
+    (`_optimizer_step`), so at ZeRO-3 the masters are reachable only through that list. A master that
+    shares its storage with a model parameter (no separate fp32 copy) is the weights and stays.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model_params: Sequence[torch.nn.Parameter]):
+    def __init__(self, optimizer: torch.optim.Optimizer, model_params: Sequence[torch.nn.Parameter],
+                 masters: Sequence[torch.Tensor] = ()):
         self.optimizer = optimizer
         self.skip = {id(p) for p in model_params}
+        weights = {p.untyped_storage().data_ptr() for p in model_params}
+        weights |= {p.ds_tensor.untyped_storage().data_ptr() for p in model_params if hasattr(p, "ds_tensor")}
+        in_groups = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self.masters = [t for t in masters if t.numel() and id(t) not in in_groups
+                        and t.untyped_storage().data_ptr() not in weights]
         self.params: list[tuple[torch.Tensor, torch.device]] = []
         self.state: list[tuple[dict, str, torch.device]] = []
 
@@ -238,7 +251,7 @@ class _OptimizerStateOffload:
             return out
 
         moved = 0
-        for group in self.optimizer.param_groups:
+        for group in self.optimizer.param_groups + [{"params": self.masters}]:
             for p in group["params"]:
                 if id(p) in self.skip:
                     continue
@@ -729,7 +742,9 @@ class Learner:
                 self.engine.offload_states(include=[S.lp_grads, S.contiguous_grad_buffer], pin_memory=pin)
                 self._ds_offloaded = True
             inner = opt if isinstance(opt, torch.optim.Optimizer) and not hasattr(opt, "optimizer") else opt.optimizer
-            self._offloaded = _OptimizerStateOffload(inner, list(self.engine.module.parameters()))
+            # ZeRO-3's fp32 masters sit outside the inner optimizer's param_groups between steps.
+            masters = getattr(opt, "fp32_partitioned_groups_flat", []) if stage == 3 else []
+            self._offloaded = _OptimizerStateOffload(inner, list(self.engine.module.parameters()), masters)
             moved = self._offloaded.offload(pin)
             how = "deepspeed+learner" if self._ds_offloaded else "learner"
         log.info("learner.offload_optimizer", zero_stage=stage, via=how, gib=round(moved / 2**30, 3),
