@@ -596,6 +596,24 @@ def run_colo(spec: dict) -> dict:
         engine_v0_vs_learner_v1_on_v0_tokens_maxabs=round(float((e0 - lp_v1_of_v0).abs().max()), 5),
         engine_v0_vs_learner_v1_on_v0_tokens_meanabs=round(float((e0 - lp_v1_of_v0).abs().mean()), 6),
     )
+    # 6. a second train/sleep cycle: the steady-state wake and sleep (the first sleep after training
+    # is also the first time the Adam moments leave the device)
+    t = time.perf_counter()
+    learner.wake()
+    if cuda:
+        torch.cuda.synchronize()
+    ph["learner_wake_2_s"] = round(time.perf_counter() - t, 4)
+    t = time.perf_counter()
+    learner.train_step(batch)
+    if cuda:
+        torch.cuda.synchronize()
+    ph["train_step_2_s"] = round(time.perf_counter() - t, 3)
+    t = time.perf_counter()
+    learner.sleep()
+    if cuda:
+        torch.cuda.synchronize()
+    ph["learner_sleep_2_s"] = round(time.perf_counter() - t, 4)
+    memr["device_after_learner_sleep_2"] = dev_mem()
     call("stop")
     child.join(timeout=60)
     return res
