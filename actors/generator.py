@@ -293,14 +293,19 @@ class GeneratorActor:
     """Async Ray actor over one Generator; run() loops while control calls are served."""
 
     def __init__(self, generator_cfg: Any, model_cfg: Any, model_path: str, *, reclaim_idle_s: float = 30.0,
-                 stream_high_water: int = 4096):
-        from actors.engines.base import make_engine
+                 stream_high_water: int = 4096, colocated: bool = False):
+        from actors.engines.base import DeferredEngine, make_engine
 
-        self.gen = Generator(make_engine(generator_cfg, model_cfg, model_path), generator_cfg,
-                             reclaim_idle_s=reclaim_idle_s, stream_high_water=stream_high_water)
         # Restarted by Ray after a crash: the engine holds the initial weights, not the run's
         # current ones. Serve nothing until the coordinator has synced us (see health()).
         self.reconstructed = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        if self.reconstructed and colocated:
+            # The learner may be training on our GPU right now: build the engine only when the
+            # coordinator wakes us (heal_generators during generation, or the step's wake).
+            engine = DeferredEngine(lambda: make_engine(generator_cfg, model_cfg, model_path))
+        else:
+            engine = make_engine(generator_cfg, model_cfg, model_path)
+        self.gen = Generator(engine, generator_cfg, reclaim_idle_s=reclaim_idle_s, stream_high_water=stream_high_water)
         self.needs_weights = self.reconstructed
         self._weights_ready = asyncio.Event()
         if not self.needs_weights:
@@ -332,7 +337,7 @@ class GeneratorActor:
         import os
 
         return {"pid": os.getpid(), "version": self.gen.version, "needs_weights": self.needs_weights,
-                "reconstructed": self.reconstructed}
+                "reconstructed": self.reconstructed, "engine_built": getattr(self.gen.engine, "built", True)}
 
     async def pause(self) -> None:
         await self.gen.pause()

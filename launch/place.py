@@ -46,7 +46,8 @@ def create_actors(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, mo
         temperature=cfg.generator.temperature, run_dir=str(run_dir))
     generators = [GeneratorActor.options(name=f"{run_id}:generator-{i}", num_cpus=cfg.generator.num_cpus,
                                          num_gpus=_engine_gpus(cfg), **RESTART).remote(
-        cfg.generator, cfg.model, model_path, reclaim_idle_s=idle, stream_high_water=hw)
+        cfg.generator, cfg.model, model_path, reclaim_idle_s=idle, stream_high_water=hw,
+        colocated=cfg.coordinator.mode == "colocated")
         for i in range(cfg.generator.num_engines)]
     scorers = [ScorerActor.options(name=f"{run_id}:scorer-{i}", num_cpus=cfg.scorer.num_cpus, **RESTART).remote(
         cfg.scorer, f"scorer-{i}", reclaim_idle_s=idle) for i in range(cfg.scorer.num_scorers)]

@@ -6,7 +6,9 @@ import time
 import pytest
 import torch
 
+from actors.engines.base import DeferredEngine, EngineAsleep
 from actors.engines.hf import TransformersEngine
+from actors.engines.simulated import SimulatedEngine
 from actors.generator import Generator
 from launch.config import GeneratorConfig, ModelConfig
 from queues.messages import PromptTask, RolloutGroup, codec, pack_ids
@@ -189,3 +191,29 @@ async def test_groups_carry_the_policy_version_that_produced_them(redis_url, eng
     (_, third), = await collect(rollouts, 1)
     await stop(gen, runner)
     assert (first.policy_version, second.policy_version, third.policy_version) == (0, 1, 5)
+
+
+async def test_deferred_engine_is_built_once_on_the_first_wake_and_keeps_the_version():
+    builds = []
+
+    def build():
+        builds.append(1)
+        return SimulatedEngine(GeneratorConfig(engine="simulated", max_tokens=8), mean_response_tokens=4,
+                               tick_s=0.0, per_seq_s=0.0)
+
+    engine = DeferredEngine(build)
+    task = PromptTask(task_id="0", prompt_id="0", step=0, policy_version=0, prompt_tokens=pack_ids([1, 2]), n=2)
+    with pytest.raises(EngineAsleep):
+        await engine.generate(task)
+    with pytest.raises(EngineAsleep):
+        await engine.load_weights([], 3)
+    await engine.sleep(1)  # a no-op: nothing to release
+    engine.abort()
+    engine.version = 7
+    assert (builds, engine.built, engine.stats()) == ([], False, {"engine_built": 0.0})
+    await asyncio.gather(engine.wake(["weights"]), engine.wake(["weights"]))
+    assert (len(builds), engine.built, engine.version) == (1, True, 7)
+    group = await engine.generate(task)
+    assert len(group.samples) == 2 and group.policy_version == 7
+    engine.version = 8
+    assert engine.engine.version == 8 and engine.stats()["engine_built"] == 1.0

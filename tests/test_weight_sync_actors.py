@@ -1,23 +1,16 @@
-"""The nccl weight-sync transport (gloo on CPU) through the real Ray shells: LearnerShell,
-GeneratorActor (transformers engine) and the Coordinator's sync and heal paths, with generators
-that Ray restarts between syncs."""
+"""The real Ray shells of the learner and generators (transformers engine) with the Coordinator's
+sync and heal paths, and generators that Ray restarts between syncs: the nccl weight-sync
+transport (gloo on CPU), and a colocated generator that comes back without an engine."""
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-import tempfile
 import time
 
-import pytest
 import torch
 
 from actors.coordinator import Coordinator
 from launch.recipes import tiny
 from tasks.tiny_model import build_tiny
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def _learner_weights(shell) -> dict[str, torch.Tensor]:
     return shell.learner.state_dict_hf()
@@ -25,7 +18,7 @@ def _learner_weights(shell) -> dict[str, torch.Tensor]:
 
 def _engine_mismatches(actor, want: dict[str, torch.Tensor]) -> list[str]:
     """Names whose tensor in this generator's engine is not bit-identical to the learner's."""
-    engine = actor.gen.engine
+    engine = getattr(actor.gen.engine, "engine", actor.gen.engine)  # a DeferredEngine's built one
     return sorted(n for n, t in want.items() if not torch.equal(engine._params[engine._aliases[n]].detach().cpu(), t))
 
 
@@ -42,76 +35,110 @@ class RecordingLog:
         self.events.append(("warning", event))
 
 
-def test_broadcast_sync_rebuilds_its_group_for_restarted_generators(tmp_path, monkeypatch):
-    ray = pytest.importorskip("ray")
+def _learner_generators_coordinator(tmp_path, weight_sync: str, colocated: list[bool]):
+    """A LearnerActor on a fresh tiny model, one GeneratorActor per flag (Ray restarts them) and a
+    Coordinator over them (no Redis, no assembler: only its sync and heal paths are called)."""
     from actors.generator import GeneratorActor
     from actors.learner import LearnerActor
     from launch.place import RESTART
 
     cfg = tiny()
-    cfg.coordinator.weight_sync = "nccl"
+    cfg.coordinator.weight_sync = weight_sync
     model_dir = build_tiny(str(tmp_path / "model"), model_cfg=cfg.model, seed=0)
-    monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    temp_dir = tempfile.mkdtemp(prefix="ray-wsa-", dir="/tmp")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
-    try:
-        learner = LearnerActor.options(max_concurrency=4, num_cpus=0).remote(
-            cfg.learner, cfg.model, model_dir, 10, cfg.assembler.micro_batch_tokens)
-        gens = [GeneratorActor.options(num_cpus=0, **RESTART).remote(cfg.generator, cfg.model, model_dir)
-                for _ in range(2)]
-        coord = Coordinator(cfg, "wsa", str(tmp_path), "", [], [], generators=gens, learner=learner, assembler=None,
-                            log=RecordingLog())
+    learner = LearnerActor.options(max_concurrency=4, num_cpus=0).remote(
+        cfg.learner, cfg.model, model_dir, 10, cfg.assembler.micro_batch_tokens)
+    gens = [GeneratorActor.options(num_cpus=0, **RESTART).remote(cfg.generator, cfg.model, model_dir, colocated=flag)
+            for flag in colocated]
+    coord = Coordinator(cfg, "wsa", str(tmp_path), "", [], [], generators=gens, learner=learner, assembler=None,
+                        log=RecordingLog())
+    return learner, gens, coord
 
-        def train_and_sync(version: int) -> None:
-            """One optimizer step (so the weights change), then the sync every step ends with."""
-            ray.get(learner.sft_step.remote([([5, 6, 7, 8, 9], [10, 11, 12])], 1e-2))
-            asyncio.run(coord.sync_weights(version))
-            coord.version = version
 
-        def check(version: int) -> None:
-            want = ray.get(learner.__ray_call__.remote(_learner_weights))
-            for g in gens:
-                assert ray.get(g.__ray_call__.remote(_engine_mismatches, want)) == []
-                h = ray.get(g.health.remote())
-                assert (h["version"], h["needs_weights"]) == (version, False), h
+def _train_and_sync(learner, coord, version: int) -> None:
+    """One optimizer step (so the weights change), then the sync every step ends with."""
+    import ray
 
-        def kill(g) -> None:
-            pid = ray.get(g.pid.remote())
-            ray.kill(g, no_restart=False)
-            deadline = time.monotonic() + 120
-            while ray.get(g.pid.remote()) == pid:  # calls wait for (or retry on) the restarted actor
-                assert time.monotonic() < deadline, "the generator was not restarted"
-                time.sleep(0.2)
-            assert ray.get(g.health.remote())["needs_weights"]  # it holds the initial weights
+    ray.get(learner.sft_step.remote([([5, 6, 7, 8, 9], [10, 11, 12])], 1e-2))
+    asyncio.run(coord.sync_weights(version))
+    coord.version = version
 
-        train_and_sync(1)
-        first = coord._broadcast_rdv
-        assert first is not None and first.backend == "gloo" and first.world_size == 3
-        check(1)
-        train_and_sync(2)
-        assert coord._broadcast_rdv == first  # a healthy group is reused, not rebuilt per sync
-        check(2)
 
-        # Restarted mid-step: heal_generators resyncs it alone (through the object store, while
-        # the other keeps generating); the next step's sync rebuilds the group with it.
-        kill(gens[1])
-        assert asyncio.run(coord.heal_generators(timeout_s=30)) == 1
-        assert ray.get(gens[1].weight_sync_group.remote()) is None
-        check(2)
-        train_and_sync(3)
-        second = coord._broadcast_rdv
-        assert second is not None and second != first
-        check(3)
+def _kill_and_wait_for_restart(g) -> dict:
+    """SIGKILLs the generator's process; returns the health() of the actor Ray restarted."""
+    import ray
 
-        # Restarted between steps, unnoticed until the sync: the membership check rebuilds first.
-        kill(gens[0])
-        train_and_sync(4)
-        assert coord._broadcast_rdv not in (None, first, second)
-        check(4)
-        # No sync had to be redone: each restart was seen before a broadcast needed the generator.
-        assert [e for e in coord.log.events if e[1] != "weight-sync group built"] == [
-            ("warning", "resyncing restarted generators")]
-        assert coord.log.events.count(("info", "weight-sync group built")) == 3
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    pid = ray.get(g.pid.remote())
+    ray.kill(g, no_restart=False)
+    deadline = time.monotonic() + 120
+    while ray.get(g.pid.remote()) == pid:  # calls wait for (or retry on) the restarted actor
+        assert time.monotonic() < deadline, "the generator was not restarted"
+        time.sleep(0.2)
+    return ray.get(g.health.remote())
+
+
+def test_broadcast_sync_rebuilds_its_group_for_restarted_generators(tmp_path, local_ray):
+    ray = local_ray
+    learner, gens, coord = _learner_generators_coordinator(tmp_path, "nccl", colocated=[False, False])
+
+    def train_and_sync(version: int) -> None:
+        _train_and_sync(learner, coord, version)
+
+    def check(version: int) -> None:
+        want = ray.get(learner.__ray_call__.remote(_learner_weights))
+        for g in gens:
+            assert ray.get(g.__ray_call__.remote(_engine_mismatches, want)) == []
+            h = ray.get(g.health.remote())
+            assert (h["version"], h["needs_weights"]) == (version, False), h
+
+    def kill(g) -> None:
+        assert _kill_and_wait_for_restart(g)["needs_weights"]  # it holds the initial weights
+
+    train_and_sync(1)
+    first = coord._broadcast_rdv
+    assert first is not None and first.backend == "gloo" and first.world_size == 3
+    check(1)
+    train_and_sync(2)
+    assert coord._broadcast_rdv == first  # a healthy group is reused, not rebuilt per sync
+    check(2)
+
+    # Restarted mid-step: heal_generators resyncs it alone (through the object store, while
+    # the other keeps generating); the next step's sync rebuilds the group with it.
+    kill(gens[1])
+    assert asyncio.run(coord.heal_generators(timeout_s=30)) == 1
+    assert ray.get(gens[1].weight_sync_group.remote()) is None
+    check(2)
+    train_and_sync(3)
+    second = coord._broadcast_rdv
+    assert second is not None and second != first
+    check(3)
+
+    # Restarted between steps, unnoticed until the sync: the membership check rebuilds first.
+    kill(gens[0])
+    train_and_sync(4)
+    assert coord._broadcast_rdv not in (None, first, second)
+    check(4)
+    # No sync had to be redone: each restart was seen before a broadcast needed the generator.
+    assert [e for e in coord.log.events if e[1] != "weight-sync group built"] == [
+        ("warning", "resyncing restarted generators")]
+    assert coord.log.events.count(("info", "weight-sync group built")) == 3
+
+
+def test_colocated_generator_restarted_by_ray_builds_its_engine_only_when_healed(tmp_path, local_ray):
+    """Colocated, the learner may be training on the GPU of a generator Ray restarts: it comes back
+    with nothing built (a DeferredEngine: no weights, no KV cache) until the coordinator wakes it."""
+    ray = local_ray
+    learner, (colocated, disaggregated), coord = _learner_generators_coordinator(
+        tmp_path, "object_store", colocated=[True, False])
+    _train_and_sync(learner, coord, 1)  # weights != the initial ones
+
+    h = _kill_and_wait_for_restart(colocated)
+    assert (h["reconstructed"], h["needs_weights"], h["engine_built"]) == (True, True, False), h
+    h = _kill_and_wait_for_restart(disaggregated)  # its own GPU: rebuilt at once, as before
+    assert (h["reconstructed"], h["needs_weights"], h["engine_built"]) == (True, True, True), h
+
+    assert asyncio.run(coord.heal_generators(timeout_s=30)) == 2
+    want = ray.get(learner.__ray_call__.remote(_learner_weights))
+    for g in (colocated, disaggregated):
+        h = ray.get(g.health.remote())
+        assert (h["version"], h["needs_weights"], h["engine_built"]) == (1, False, True), h
+        assert ray.get(g.__ray_call__.remote(_engine_mismatches, want)) == []

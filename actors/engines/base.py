@@ -139,6 +139,79 @@ class Engine(abc.ABC):
         return None
 
 
+class DeferredEngine(Engine):
+    """An engine not built until its first wake(): what a colocated generator that Ray restarted
+    holds, so that coming back costs no device memory while the learner may be training on the
+    same GPU (a vLLM engine takes its weights and `gpu_memory_utilization` of KV cache the moment
+    it is built). Until then it behaves as an engine asleep at level 2: generate() and
+    load_weights() raise EngineAsleep, sleep() is a no-op, the version is kept for the engine."""
+
+    def __init__(self, build: Any):
+        self._build = build  # () -> Engine, run in a thread: loading a model blocks for seconds
+        self.engine: Engine | None = None
+        self._version = 0
+        self._lock = None
+
+    @property
+    def built(self) -> bool:
+        return self.engine is not None
+
+    @property
+    def version(self) -> int:  # type: ignore[override]
+        return self.engine.version if self.engine is not None else self._version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        if self.engine is not None:
+            self.engine.version = value
+        else:
+            self._version = value
+
+    async def generate(self, task: PromptTask) -> RolloutGroup:
+        if self.engine is None:
+            raise EngineAsleep("engine not built yet (restarted while colocated): wake it first")
+        return await self.engine.generate(task)
+
+    async def sleep(self, level: int) -> None:
+        if self.engine is not None:
+            await self.engine.sleep(level)
+
+    async def wake(self, tags: list[str] | None = None) -> None:
+        import asyncio
+
+        check_wake_tags(tags)
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:  # concurrent wakes build once
+            if self.engine is None:
+                engine = await asyncio.to_thread(self._build)
+                engine.version = self._version
+                self.engine = engine
+        await self.engine.wake(tags)
+
+    async def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
+        if self.engine is None:
+            raise EngineAsleep("load_weights on an engine not built yet: wake(['weights']) first")
+        await self.engine.load_weights(named_tensors, version)
+
+    async def finish_weight_update(self, version: int) -> None:
+        if self.engine is None:
+            raise EngineAsleep("finish_weight_update on an engine not built yet: wake(['weights']) first")
+        await self.engine.finish_weight_update(version)
+
+    def abort(self) -> None:
+        if self.engine is not None:
+            self.engine.abort()
+
+    def stats(self) -> dict[str, float]:
+        out = self.engine.stats() if self.engine is not None else {}
+        return {**out, "engine_built": float(self.engine is not None)}
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            await self.engine.close()
+
+
 def check_wake_tags(tags: list[str] | None) -> list[str]:
     if tags is None:
         return ["weights", "kv_cache"]
