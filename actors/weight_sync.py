@@ -37,6 +37,8 @@ import datetime
 import inspect
 import math
 import socket
+import threading
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence, Union
@@ -701,6 +703,9 @@ class BroadcastSender(_SenderBase, _Broadcaster):
         self._group = None
         self._rendezvous: Rendezvous | None = None
         self._last_version: int | None = None
+        # Set by close() from another thread: a send still waiting on a dead rank gives up at once
+        # (the coordinator has replaced the group) instead of holding its thread for `timeout`.
+        self._closed = threading.Event()
 
     def listen(self, world_size: int, host: str | None = None) -> Rendezvous:
         import torch.distributed as dist
@@ -755,7 +760,7 @@ class BroadcastSender(_SenderBase, _Broadcaster):
             summary = self._summary()
             store.set(_header_key(version, summary.num_buckets), encode_message(summary))
             acks = [_ack_key(version, rank) for rank in receivers]
-            store.wait(acks, self.timeout)
+            self._wait(store, acks)
             failures = [store.get(k).decode() for k in acks]
             failures = [f for f in failures if f != "ok"]
             if failures:
@@ -768,11 +773,25 @@ class BroadcastSender(_SenderBase, _Broadcaster):
                 try:
                     # Wait until every receiver has read the abort: the next send() deletes this
                     # version's keys, and a receiver that had not read it yet would wait forever.
-                    store.wait([_ack_key(version, rank) for rank in receivers], self.timeout)
+                    self._wait(store, [_ack_key(version, rank) for rank in receivers])
                 except Exception:  # noqa: BLE001 - a receiver stuck in a broken broadcast; keep exc
                     pass
             self.abort()
             raise
+
+    def _wait(self, store: Any, keys: list[str]) -> None:
+        """store.wait(keys) for up to `timeout`, in 1 s slices so that close() ends it early."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            if self._closed.is_set():
+                raise WeightSyncError("weight-sync group closed (replaced) while waiting for receivers")
+            left = deadline - time.monotonic()
+            try:
+                store.wait(keys, datetime.timedelta(seconds=max(0.01, min(1.0, left))))
+                return
+            except RuntimeError:  # DistStoreError: not yet
+                if left <= 1.0:
+                    raise WeightSyncError(f"weight sync: receivers did not answer within {self.timeout}") from None
 
     def _forget(self, version: int | None) -> None:
         """Deletes the previous sync's keys: every receiver acked it, so nobody reads them again."""
@@ -784,10 +803,15 @@ class BroadcastSender(_SenderBase, _Broadcaster):
             self._store.delete_key(key)
 
     def close(self) -> None:
-        self.abort()
-        if self._group is not None and hasattr(self._group, "shutdown"):
-            self._group.shutdown()
-        self._group = self._store = None
+        """Safe from another thread while send() is blocked on a dead rank: that send raises
+        WeightSyncError within a second instead of waiting out the group timeout."""
+        self._closed.set()
+        group, self._group, self._store = self._group, None, None
+        if group is not None:
+            if self.backend == "nccl" and hasattr(group, "abort"):
+                group.abort()  # unblocks a broadcast stuck on a dead peer (gloo fails those itself)
+            elif hasattr(group, "shutdown"):
+                group.shutdown()
 
 
 class BroadcastReceiver(_ReceiverBase, _Broadcaster):

@@ -9,6 +9,8 @@ import queue as queue_mod
 import shutil
 import socket
 import tempfile
+import threading
+import time
 
 import pytest
 import torch
@@ -374,3 +376,50 @@ def test_broadcast_store_listens_on_the_rendezvous_host_alone():
     finally:
         sender.close()
     assert not [a for a in _listening({os.getpid()}) if a.endswith(f":{rdv.port}")]  # closed with the sender
+
+
+def _receiver_that_joins_then_waits(rdv_queue, joined):
+    receiver = ws.BroadcastReceiver(lambda named, version: None)
+    receiver.init(rdv_queue.get(timeout=60), rank=1)
+    joined.set()
+    time.sleep(600)  # killed by the test before any receive
+
+
+def test_send_to_a_dead_receiver_ends_when_the_group_is_closed_not_at_its_timeout():
+    """A generator killed mid-sync: the learner's send waits for its ack. The coordinator replaces
+    the group (weight_sync_listen closes the old sender): that send must end within seconds, not
+    hold its thread for the group timeout (600 s here, as in a run)."""
+    ctx = mp.get_context("spawn")
+    rdv_queue, joined = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_receiver_that_joins_then_waits, args=(rdv_queue, joined))
+    proc.start()
+    try:
+        sender = ws.BroadcastSender(lambda mb: ws.iter_buckets(make_weights(1).items(), mb), BUCKET_MB,
+                                    backend="gloo", timeout_s=600)
+        rdv_queue.put(sender.listen(world_size=2, host="127.0.0.1"))
+        sender.init()
+        assert joined.wait(60)
+        proc.kill()
+        proc.join(10)
+        outcome = {}
+
+        def send():
+            try:
+                sender.send(1)
+                outcome["result"] = "returned"
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                outcome["result"] = exc
+
+        thread = threading.Thread(target=send, daemon=True)
+        thread.start()
+        thread.join(3)
+        assert thread.is_alive(), outcome  # still waiting for the dead rank's ack
+        start = time.monotonic()
+        sender.close()
+        thread.join(15)
+        assert not thread.is_alive(), "send still blocked after close()"
+        # It fails (the broadcast's own error: the peer closed its connection), and at once.
+        assert isinstance(outcome["result"], RuntimeError) and time.monotonic() - start < 5, outcome
+    finally:
+        if proc.is_alive():
+            proc.kill()
