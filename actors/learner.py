@@ -178,6 +178,23 @@ def apply_liger_kernels(model: torch.nn.Module) -> bool:
     return True
 
 
+def limit_checkpointed_layers(model: torch.nn.Module, n: int) -> int:
+    """After gradient_checkpointing_enable: only the first `n` decoder layers recompute in backward
+    (-1: all). Each layer left out keeps its activations (23x what a checkpointed layer keeps for
+    the Qwen3-1.7B shape, 32x for 32B: launch/plan.py) and saves its forward recompute, a quarter
+    of its FLOPs. Returns how many layers checkpoint. transformers' GradientCheckpointingLayer reads its
+    own `gradient_checkpointing` flag on each call, so this works on any 5.x."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if n > len(layers):
+        raise ValueError(f"learner.checkpoint_layers={n}: the model has {len(layers)} decoder layers")
+    keep = len(layers) if n < 0 else n
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing = i < keep
+    return keep
+
+
 def restore_rotary_buffers(model: torch.nn.Module) -> list[str]:
     """Recomputes every rotary `*inv_freq` buffer (and its `original_*` twin) in fp32.
 
@@ -344,6 +361,9 @@ class Learner:
         self.liger_kernels = self.use_liger and learner_cfg.liger_kernels and apply_liger_kernels(model)
         if learner_cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.checkpointed_layers = limit_checkpointed_layers(model, learner_cfg.checkpoint_layers)
+        else:
+            self.checkpointed_layers = 0
         model.train()  # Qwen3 has no dropout by default; train mode == eval mode numerically
         self.head = _LogProbHead(model, self.temperature, self.use_liger)
         if learner_cfg.zero_stage == 3:

@@ -6,10 +6,11 @@ sleep/train/sync handshake with CUDA-IPC weight sync between two processes on on
     MODE=colo python -m bench.h200
     SMOKE=1 python -m bench.h200              # CPU, tiny shapes: checks the plumbing only
 
-Env: MODE (learner|colo|all), VARIANTS (comma list of model:zero:attn:path[:mbtokens[:nogc]]; path:
+Env: MODE (learner|colo|all), VARIANTS (comma list of model:zero:attn:path[:mbtokens[:nogc|:gc<N>]]; path:
 plain, liger (the fused head only) or lk (learner.use_liger as shipped: the head plus the liger
 rope/rms_norm/swiglu kernels the Learner applies to its model; before 2026-12-02 evening this script
-patched them in itself); "nogc" turns gradient checkpointing off, on by default), PROMPTS (groups per
+patched them in itself); "nogc" turns gradient checkpointing off, on by default; "gc14" checkpoints
+the first 14 decoder layers only: learner.checkpoint_layers), PROMPTS (groups per
 step, 1), STEPS (timed steps, 2), OUT (results dir). Every variant runs in its own process (liger's
 kernel patch is process-wide); results: $OUT/h200_learner.json, $OUT/h200_colo.json, one table last.
 
@@ -269,7 +270,9 @@ def run_variant(spec: dict) -> dict:
     row = dict(model=model, zero=zero, attn=attn, path=path, mb_tokens=mbt, gc=spec.get("gc", True))
     peak = matmul_peak()
     row["matmul_tflops"] = round(peak / 1e12, 1) if cuda else None
-    learner, info = make_learner(model, zero, attn, path, mbt, gc=row["gc"])
+    learner, info = make_learner(model, zero, attn, path, mbt, gc=row["gc"],
+                                 checkpoint_layers=spec.get("checkpoint_layers", -1))
+    row["checkpointed_layers"] = learner.checkpointed_layers
     row.update(info)
     kw = SHAPES[model]
     n_params = sum(p.numel() for p in learner.engine.module.parameters())
@@ -690,9 +693,11 @@ def parse_variant(s: str) -> dict:
     model, zero, attn, path = parts[:4]
     mbt = int(parts[4]) if len(parts) > 4 and parts[4] else (32768 if not SMOKE else 128)
     flags = set(parts[5:])
-    if flags - {"nogc"}:
-        raise SystemExit(f"VARIANTS: unknown flag(s) {sorted(flags - {'nogc'})} in {s!r}; known: nogc")
-    return dict(model=model, zero=int(zero), attn=attn, path=path, mb_tokens=mbt, gc="nogc" not in flags)
+    gc_layers = [f for f in flags if f.startswith("gc") and f[2:].isdigit()]  # gc14: learner.checkpoint_layers=14
+    if flags - {"nogc", *gc_layers} or len(gc_layers) > 1:
+        raise SystemExit(f"VARIANTS: unknown flag(s) {sorted(flags)} in {s!r}; known: nogc, gc<N> (one)")
+    return dict(model=model, zero=int(zero), attn=attn, path=path, mb_tokens=mbt, gc="nogc" not in flags,
+                checkpoint_layers=int(gc_layers[0][2:]) if gc_layers else -1)
 
 
 def child_run(flag: str, spec: dict, timeout: int) -> dict:
@@ -737,18 +742,26 @@ def lp_compare(rows):
         r["lp_vs_ref"] = dict(ref=name, max_abs=round(float(d.max()), 5), mean_abs=round(float(d.mean()), 6), n=int(d.numel()))
 
 
+def _gc(r: dict) -> str:
+    if not r.get("gc", True):
+        return "off"
+    n = r.get("checkpointed_layers", r.get("checkpoint_layers", -1))
+    layers = SHAPES.get(r["model"], {}).get("num_hidden_layers")
+    return "on" if n in (-1, None) or n == layers else f"{n}/{layers} layers"
+
+
 def table(rows):
     out = ["| model | ZeRO | attn | log-prob path | grad ckpt | mb tokens | tokens/step | micro-batches | train tok/s | step tok/s | "
            "MFU train | MFU step | peak GiB | lp vs ref max / mean |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['model']} | {r['zero']} | {r['attn']} | {r['path']} | {'on' if r.get('gc', True) else 'off'} | "
+            out.append(f"| {r['model']} | {r['zero']} | {r['attn']} | {r['path']} | {_gc(r)} | "
                        f"{r['mb_tokens']} | error: {r['error']} |")
             continue
         lp = r.get("lp_vs_ref")
         lps = lp if isinstance(lp, str) else (f"{lp['max_abs']} / {lp['mean_abs']}" if lp else "")
-        out.append(f"| {r['model']} | {r['zero']} | {r['attn']} | {r['path']} | {'on' if r.get('gc', True) else 'off'} | "
+        out.append(f"| {r['model']} | {r['zero']} | {r['attn']} | {r['path']} | {_gc(r)} | "
                    f"{r['mb_tokens']} | {r['tokens_per_step']} | "
                    f"{r['micro_batches']} | {r['tok_s_train']:,} | {r['tok_s_step']:,} | {r.get('mfu_train')} | "
                    f"{r.get('mfu_step')} | {r.get('peak_gib')} | {lps} |")

@@ -120,6 +120,9 @@ class LearnerConfig(_Section):
     use_liger: bool = False  # CUDA: liger's fused linear-CE log-prob head (logits never materialised)
     liger_kernels: bool = True  # with use_liger: also liger's RoPE / RMSNorm / SwiGLU kernels in the model
     gradient_checkpointing: bool = False
+    # With gradient_checkpointing: how many decoder layers (the first N) recompute their activations
+    # in backward; the rest keep them. -1: every layer. Trades memory for speed between the two ends.
+    checkpoint_layers: int = -1
     offload_optimizer: bool = False
     device: str = "auto"
     ds_config: dict[str, Any] = {}  # merged over the generated DeepSpeed config
@@ -288,6 +291,7 @@ def check(cfg: RunConfig) -> None:
     need(len(cfg.learner.betas) == 2, "learner.betas", "needs two values, e.g. 0.9,0.95")
     need(cfg.learner.update_epochs >= 1, "learner.update_epochs", "must be >= 1")
     need(cfg.learner.lr > 0, "learner.lr", "must be > 0")
+    need(cfg.learner.checkpoint_layers >= -1, "learner.checkpoint_layers", "must be -1 (every layer) or >= 0")
     need(0 <= cfg.learner.warmup_ratio < 1, "learner.warmup_ratio", "must be in [0, 1)")
     need(cfg.coordinator.prompts_per_step >= 1, "coordinator.prompts_per_step", "must be >= 1")
     need(cfg.coordinator.steps >= 0, "coordinator.steps", "must be >= 0")

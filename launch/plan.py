@@ -308,9 +308,25 @@ def layer_activation_bytes(shape: ModelShape, tokens: int, bytes_per: int) -> in
 def activation_gib(cfg: RunConfig, shape: ModelShape) -> float:
     tokens, b = cfg.assembler.micro_batch_tokens, DTYPE_BYTES[cfg.learner.dtype]
     one_layer = layer_activation_bytes(shape, tokens, b)
-    if cfg.learner.gradient_checkpointing:
-        return (shape.hidden_size * tokens * shape.num_layers * b + one_layer) / GIB
-    return shape.num_layers * one_layer / GIB
+    if not cfg.learner.gradient_checkpointing:
+        return shape.num_layers * one_layer / GIB
+    n = checkpointed_layers(cfg, shape)
+    # a checkpointed layer keeps its input; the others keep everything; backward recomputes one at a time
+    return (shape.hidden_size * tokens * n * b + (shape.num_layers - n) * one_layer + one_layer) / GIB
+
+
+def _checkpointing_note(cfg: RunConfig, shape: ModelShape) -> str:
+    if not cfg.learner.gradient_checkpointing:
+        return "off"
+    n = checkpointed_layers(cfg, shape)
+    return "on" if n == shape.num_layers else f"on for {n} of {shape.num_layers} layers"
+
+
+def checkpointed_layers(cfg: RunConfig, shape: ModelShape) -> int:
+    n = cfg.learner.checkpoint_layers
+    if n > shape.num_layers:
+        raise ConfigError(f"config key 'learner.checkpoint_layers': {n} exceeds the model's {shape.num_layers} decoder layers")
+    return shape.num_layers if n < 0 else n
 
 
 def logits_gib(cfg: RunConfig, shape: ModelShape) -> float:
@@ -511,7 +527,7 @@ def make_plan(cfg: RunConfig, recipe: str | None = None) -> Plan:
                               f"cluster.gpu_memory_gib={mem:g} ({parts})")
 
     notes = [f"learner ZeRO-{lr.zero_stage} over {world} ranks; T = {cfg.assembler.micro_batch_tokens} tokens "
-             f"per micro-batch per rank; gradient checkpointing {'on' if lr.gradient_checkpointing else 'off'}; "
+             f"per micro-batch per rank; gradient checkpointing {_checkpointing_note(cfg, shape)}; "
              f"liger {'on' if lr.use_liger else 'off'}"]
     if mode == "colocated":
         notes.append(f"vLLM sleep_level {gen.sleep_level}: " + (

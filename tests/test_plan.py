@@ -106,6 +106,21 @@ def test_checkpointing_and_liger_each_shrink_the_training_phase():
     assert not no_ckpt.fits and any(e.startswith("training phase") for e in no_ckpt.errors)
 
 
+def test_checkpoint_layers_plans_activations_between_all_and_none():
+    def activations(*o):
+        phase = engine_learner_gpus(plan_for("bird_1p7b", *o)).phases["training"]
+        return next(v for k, v in phase.items() if k.startswith("activations"))
+    every, none = activations(), activations("learner.gradient_checkpointing=false")
+    half = activations("learner.checkpoint_layers=14")  # Qwen3-1.7B has 28 layers
+    assert activations("learner.checkpoint_layers=28") == every < half < none
+    # 14 layers keep everything, 14 keep their input, plus one layer's recompute working set
+    one_layer = none / 28
+    assert half == pytest.approx((every - one_layer) / 2 + none / 2 + one_layer)
+    assert "gradient checkpointing on for 14 of 28 layers" in "\n".join(plan_for("bird_1p7b", "learner.checkpoint_layers=14").notes)
+    with pytest.raises(ConfigError, match="'learner.checkpoint_layers': 29 exceeds the model's 28 decoder layers"):
+        plan_for("bird_1p7b", "learner.checkpoint_layers=29")
+
+
 def test_sleep_level_1_at_32b_is_planned_as_keeping_vllm_resident_and_does_not_fit():
     plan = plan_for("bird_32b", "generator.sleep_level=1")
     assert not plan.fits
