@@ -9,8 +9,10 @@ generator, a scorer or the assembler process (found by Ray's process title among
 launcher's descendants) at random points, and once the embedded redis-server; Ray restarts
 the actor, its pending messages are reclaimed, the step completes.
 Phase "resume": a run whose learner, then coordinator, is SIGKILLed; each time the launcher
-exits with one `error:` line and a fresh launch with run_id=<same> coordinator.resume=true
-continues from the last checkpoint.
+(cluster.max_relaunches=0) exits with one `error:` line and a fresh launch with run_id=<same>
+coordinator.resume=true continues from the last checkpoint.
+Phase "autoresume": the same kills in one launch with cluster.max_relaunches=2: the launcher
+itself tears the run's actors down and starts them again from the last checkpoint.
 
 After each phase, from the final checkpoint (the coordinator's ledger, the learner's per-step
 train counts) and metrics.jsonl:
@@ -142,6 +144,16 @@ def _wait_rows(run_dir: Path, launch: Launch, n: int, timeout: float) -> bool:
     return len(rows(run_dir)) >= n
 
 
+def _wait_log(log_path: Path, text: str, count: int, launch: Launch, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and launch.proc.poll() is None:
+        launch.watch()
+        if log_path.read_text(errors="replace").count(text) >= count:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def verify(run_dir: Path, steps: int, per_step: int) -> dict:
     """Lost and doubled prompts over the whole run, from the final checkpoint and metrics."""
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
@@ -258,12 +270,16 @@ def phase_workers(run_root: Path, kills: int, steps: int, sft: int, per_step: in
 
 
 def phase_resume(run_root: Path, steps: int, sft: int, per_step: int, seed: int,
-                 victims: tuple[str, ...] = ("learner", "coordinator")) -> dict:
-    """Kills each victim once mid-run; relaunches with resume; checks the step and data position."""
+                 victims: tuple[str, ...] = ("learner", "coordinator"), auto: bool = False,
+                 extra: tuple[str, ...] = ()) -> dict:
+    """Kills each victim once mid-run; the run resumes from its checkpoint, by a relaunch with
+    coordinator.resume=true (auto=False) or by the launcher itself (auto=True:
+    cluster.max_relaunches); checks the step and data position."""
     rng = random.Random(seed + 1)
-    run_id = f"chaos-resume-{seed}"
+    run_id = f"chaos-{'autoresume' if auto else 'resume'}-{seed}"
     run_dir = run_root / run_id
-    base = _common(run_root, run_id, steps, sft, per_step) + ["coordinator.checkpoint_every=2"]
+    base = _common(run_root, run_id, steps, sft, per_step) + [
+        "coordinator.checkpoint_every=2", f"cluster.max_relaunches={len(victims) if auto else 0}", *extra]
     started = time.monotonic()
     injected, launches, rcs, leftovers, errors = [], [], [], [], []
     launch = Launch(base, run_root / f"{run_id}.log")
@@ -281,12 +297,17 @@ def phase_resume(run_root: Path, steps: int, sft: int, per_step: int, seed: int,
         at = time.time()
         ckpt = json.loads((run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
                            / "coordinator.json").read_text())["step"]
-        rcs.append(launch.wait(300))
-        leftovers += launch.leftovers()
-        errors.append(_last_error(run_root / f"{run_id}.log"))
+        if auto:  # the launcher tears the actors down, then says so; rows after that are the resumed run's
+            if not _wait_log(run_root / f"{run_id}.log", "relaunching from", i + 1, launch, 300):
+                break
         n_before = len(rows(run_dir))
-        launch = Launch(base + ["coordinator.resume=true"], run_root / f"{run_id}.log")
-        launches.append(launch)
+        if not auto:
+            rcs.append(launch.wait(300))
+            leftovers += launch.leftovers()
+            errors.append(_last_error(run_root / f"{run_id}.log"))
+            n_before = len(rows(run_dir))
+            launch = Launch(base + ["coordinator.resume=true"], run_root / f"{run_id}.log")
+            launches.append(launch)
         if not _wait_rows(run_dir, launch, n_before + 1, 900):
             break
         first = rows(run_dir)[n_before]["step"]
@@ -305,7 +326,7 @@ def phase_resume(run_root: Path, steps: int, sft: int, per_step: int, seed: int,
         for _ in range(steps):
             c.take(per_step)
         result["cursor_ok"] = (c.epoch, c.position) == (result["cursor"]["epoch"], result["cursor"]["position"])
-    result.update(phase="resume", rc=rcs, injected=injected, leftovers=leftovers, errors=errors,
+    result.update(phase="autoresume" if auto else "resume", rc=rcs, injected=injected, leftovers=leftovers, errors=errors,
                   wall_s=time.monotonic() - started, run_dir=str(run_dir),
                   resume_ok=all(k["resumed_at"] == k["checkpoint_step"] + 1 for k in injected))
     return result
@@ -356,21 +377,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sft-steps", type=int, default=60)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-resume", action="store_true")
+    p.add_argument("--skip-workers", action="store_true")
     p.add_argument("--run-root", default="")
     p.add_argument("--json", default="", help="also write the raw results here")
     a = p.parse_args(argv)
     run_root = Path(a.run_root or tempfile.mkdtemp(prefix="arl-chaos-")).absolute()
     run_root.mkdir(parents=True, exist_ok=True)
-    results = [phase_workers(run_root, a.kills, a.steps, a.sft_steps, a.prompts_per_step, a.seed, a.redis_kills)]
+    results = [] if a.skip_workers else [
+        phase_workers(run_root, a.kills, a.steps, a.sft_steps, a.prompts_per_step, a.seed, a.redis_kills)]
     if not a.skip_resume:
-        results.append(phase_resume(run_root, a.resume_steps, a.sft_steps, a.prompts_per_step, a.seed))
+        for auto in (False, True):
+            results.append(phase_resume(run_root, a.resume_steps, a.sft_steps, a.prompts_per_step, a.seed, auto=auto))
     print(f"machine: {os.cpu_count()}-core CPU, date: {time.strftime('%Y-%m-%d')}, run root: {run_root}")
     print(table(results))
     for r in results:
         print(f"{r['phase']}: rc={r['rc']} leftover processes={r['leftovers']} wall={r['wall_s']:.0f}s "
               f"generator resyncs={r.get('resyncs', 0)}"
               + (f" baseline step={r['baseline_step_s']:.1f}s" if "baseline_step_s" in r else "")
-              + (f" resumed at checkpoint+1={r['resume_ok']} cursor matches={r.get('cursor_ok')}" if r["phase"] == "resume" else ""))
+              + (f" resumed at checkpoint+1={r['resume_ok']} cursor matches={r.get('cursor_ok')}" if "resume" in r["phase"] else ""))
         for e in r.get("errors", []):
             print(f"  launcher said: {e}")
         for prob in r.get("problems", []):

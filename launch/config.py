@@ -158,6 +158,10 @@ class ClusterConfig(_Section):
     redis_persistence: bool = False  # embedded Redis with AOF (survives restarts)
     stream_high_water: int = 4096  # publish waits while a stage's backlog is above this
     reclaim_idle_s: float = 30.0  # messages pending this long on a consumer are reclaimed
+    # The learner or coordinator died (Ray restarts the other actors itself): tear the run's actors
+    # down and start them again from the latest checkpoint, as coordinator.resume=true would, at
+    # most this many times per launch. 0: the launch fails and a relaunch with resume is manual.
+    max_relaunches: int = 2
 
 
 class LoggingConfig(_Section):
@@ -299,6 +303,7 @@ def check(cfg: RunConfig) -> None:
     need(cfg.assembler.micro_batch_tokens >= 16, "assembler.micro_batch_tokens", "must be >= 16")
     need(cfg.assembler.minibatches_per_step >= 1, "assembler.minibatches_per_step", "must be >= 1")
     need(cfg.scorer.workers >= 1, "scorer.workers", "must be >= 1")
+    need(cfg.cluster.max_relaunches >= 0, "cluster.max_relaunches", "must be >= 0")
     need(cfg.scorer.timeout_s > 0, "scorer.timeout_s", "must be > 0")
     need(cfg.coordinator.mode == "async" or cfg.assembler.max_staleness == 0,
          "assembler.max_staleness", "must be 0 in colocated mode (generation is on-policy)")

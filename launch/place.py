@@ -28,8 +28,13 @@ def _engine_gpus(cfg: RunConfig) -> float:
     return float(cfg.generator.tensor_parallel_size)
 
 
-def create_actors(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_path: str, total_steps: int):
+def create_actors(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_path: str, total_steps: int,
+                  names: str = ""):
+    """The run's actors, named `<names>:learner` etc. (names: the run id, or the run id and the
+    relaunch: Ray keeps a dead actor's name while a handle to it lives)."""
     import ray
+
+    names = names or run_id
 
     from actors.assembler import Assembler
     from actors.generator import GeneratorActor
@@ -41,17 +46,17 @@ def create_actors(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, mo
     learner_gpus = cfg.learner.num_gpus if cfg.cluster.gpus_per_node else 0.0
     if cfg.coordinator.mode == "colocated" and learner_gpus:
         learner_gpus = 0.5
-    learner = LearnerActor.options(max_concurrency=4, name=f"{run_id}:learner", num_cpus=cfg.learner.num_cpus, num_gpus=learner_gpus).remote(
+    learner = LearnerActor.options(max_concurrency=4, name=f"{names}:learner", num_cpus=cfg.learner.num_cpus, num_gpus=learner_gpus).remote(
         cfg.learner, cfg.model, model_path, total_steps, cfg.assembler.micro_batch_tokens,
         temperature=cfg.generator.temperature, run_dir=str(run_dir))
-    generators = [GeneratorActor.options(name=f"{run_id}:generator-{i}", num_cpus=cfg.generator.num_cpus,
+    generators = [GeneratorActor.options(name=f"{names}:generator-{i}", num_cpus=cfg.generator.num_cpus,
                                          num_gpus=_engine_gpus(cfg), **RESTART).remote(
         cfg.generator, cfg.model, model_path, reclaim_idle_s=idle, stream_high_water=hw,
         colocated=cfg.coordinator.mode == "colocated")
         for i in range(cfg.generator.num_engines)]
-    scorers = [ScorerActor.options(name=f"{run_id}:scorer-{i}", num_cpus=cfg.scorer.num_cpus, **RESTART).remote(
+    scorers = [ScorerActor.options(name=f"{names}:scorer-{i}", num_cpus=cfg.scorer.num_cpus, **RESTART).remote(
         cfg.scorer, f"scorer-{i}", reclaim_idle_s=idle) for i in range(cfg.scorer.num_scorers)]
-    assembler = ray.remote(Assembler).options(name=f"{run_id}:assembler", num_cpus=cfg.assembler.num_cpus,
+    assembler = ray.remote(Assembler).options(name=f"{names}:assembler", num_cpus=cfg.assembler.num_cpus,
                                               max_concurrency=64, **RESTART).remote(
         cfg.assembler, consumer="assembler-0", reclaim_idle_s=idle, redis_url=redis_url, run_id=run_id, high_water=hw)
     return learner, generators, scorers, assembler
@@ -102,21 +107,22 @@ def _progress(run_dir: Path, seen: int, log) -> int:
 
 
 def place_and_run(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_path: str,
-                  train_items: list, eval_items: list, log) -> dict[str, Any]:
+                  train_items: list, eval_items: list, log, names: str = "") -> dict[str, Any]:
     import ray
 
     from actors.coordinator import Coordinator
     from launch.metrics import MetricsLogger
 
+    names = names or run_id
     learner, generators, scorers, assembler = create_actors(cfg, run_id, run_dir, redis_url, model_path,
-                                                            cfg.coordinator.steps)
+                                                            cfg.coordinator.steps, names)
     hw = cfg.cluster.stream_high_water
     loops = [g.run.remote(redis_url, run_id, f"generator-{i}") for i, g in enumerate(generators)]
     loops += [s.run.remote(redis_url, run_id, hw) for s in scorers]
     ray.get(assembler.start.remote(redis_url, run_id, hw))
     ray.get(learner.connect.remote(redis_url, run_id))
 
-    coordinator = ray.remote(Coordinator).options(name=f"{run_id}:coordinator", num_cpus=cfg.coordinator.num_cpus,
+    coordinator = ray.remote(Coordinator).options(name=f"{names}:coordinator", num_cpus=cfg.coordinator.num_cpus,
                                                   max_concurrency=8).remote(
         cfg, run_id, str(run_dir), redis_url, train_items, eval_items, generators=generators, learner=learner,
         assembler=assembler, metrics_logger=None)
@@ -131,7 +137,8 @@ def place_and_run(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, mo
         sft = warm_start(cfg, learner, train_items, model_path, log)
         ray.get(coordinator.initial_sync.remote(sft))
     done = coordinator.run.remote()
-    seen = 0
+    metrics = run_dir / "metrics.jsonl"  # a resumed run prints only its own rows
+    seen = len(metrics.read_text().splitlines()) if cfg.coordinator.resume and metrics.exists() else 0
     try:
         while True:
             ready, _ = ray.wait([done] + loops, timeout=1.0)

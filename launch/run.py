@@ -301,9 +301,7 @@ def run(cfg: RunConfig) -> int:
 
         log.info("run started", run_id=run_id, run_dir=str(run_dir), redis=redis_server.socket_path if redis_server else
                  "external", dashboard=_dashboard_url())
-        from launch.place import place_and_run
-
-        summary = place_and_run(cfg, run_id, run_dir, redis_url, model_path, train_items, eval_items, log)
+        summary = run_with_relaunches(cfg, run_id, run_dir, redis_url, model_path, train_items, eval_items, log)
         log.info("run finished", **{k: v for k, v in summary.items() if k != "outcomes"}, **{
             f"prompts_{k}": v for k, v in summary["outcomes"].items()})
         print(f"run directory: {run_dir}\nmetrics: {run_dir / 'metrics.jsonl'}\n"
@@ -329,6 +327,68 @@ def run(cfg: RunConfig) -> int:
             pass
         if redis_server is not None:
             redis_server.stop()
+
+
+def actor_died(e: BaseException) -> bool:
+    """Whether `e` is, or was caused by, the death of a Ray actor (Ray wraps the cause)."""
+    from ray.exceptions import RayActorError
+
+    for _ in range(8):
+        if isinstance(e, RayActorError):
+            return True
+        nxt = getattr(e, "cause", None) or e.__cause__
+        if nxt is None or nxt is e:
+            return False
+        e = nxt
+    return False
+
+
+def kill_run_actors(run_id: str, timeout_s: float = 60.0) -> int:
+    """Kills every live named actor of the run (`<run_id>:...`) for good and waits until Ray lists
+    none. (A dead actor's name stays taken while a handle to it lives: a relaunch uses new names.)"""
+    import ray
+
+    def names() -> list[str]:
+        return [a["name"] if isinstance(a, dict) else a for a in ray.util.list_named_actors(all_namespaces=False)
+                if (a["name"] if isinstance(a, dict) else a).startswith(f"{run_id}:")]
+    killed = names()
+    for name in killed:
+        try:
+            ray.kill(ray.get_actor(name), no_restart=True)
+        except ValueError:  # already gone
+            pass
+    deadline = time.monotonic() + timeout_s
+    while names():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"actors of run {run_id} still alive {timeout_s:.0f} s after ray.kill: {names()}")
+        time.sleep(0.2)
+    return len(killed)
+
+
+def run_with_relaunches(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_path: str,
+                        train_items: list, eval_items: list, log) -> dict[str, Any]:
+    """place_and_run, started again from the latest checkpoint when the learner or the
+    coordinator dies (actors Ray does not restart), up to cluster.max_relaunches times."""
+    from actors.coordinator import Coordinator
+    from launch.place import place_and_run
+
+    relaunches = 0
+    while True:
+        try:
+            names = run_id if relaunches == 0 else f"{run_id}:relaunch{relaunches}"
+            return place_and_run(cfg, run_id, run_dir, redis_url, model_path, train_items, eval_items, log, names)
+        except Exception as e:  # noqa: BLE001 - re-raised unless it is an actor death we can resume from
+            latest = Coordinator.latest_checkpoint(run_dir)
+            if not actor_died(e) or latest is None or relaunches >= cfg.cluster.max_relaunches:
+                raise
+            relaunches += 1
+            log.warning("an actor died: relaunching the run from its latest checkpoint", error=one_line(e),
+                        checkpoint=latest.name, relaunch=relaunches, of=cfg.cluster.max_relaunches)
+            print(f"relaunching from {latest.name} ({relaunches}/{cfg.cluster.max_relaunches}): {one_line(e)}",
+                  flush=True)
+            kill_run_actors(run_id)
+            purge_run_keys(redis_url, run_id)
+            cfg.coordinator.resume = True
 
 
 def _dashboard_url() -> str:

@@ -29,3 +29,17 @@ def test_learner_kill_resumes_at_the_next_step(tmp_path):
     assert r["resume_ok"] and r.get("cursor_ok"), r["injected"]
     assert (r["lost"], r["doubled"], r["bad_rows"]) == (0, 0, 0), r["problems"]
     assert r["leftovers"] == []
+
+
+def test_learner_and_coordinator_deaths_are_resumed_by_the_launcher_itself(tmp_path):
+    """cluster.max_relaunches: one launch survives its learner's and then its coordinator's SIGKILL,
+    each time restarting every actor from the latest checkpoint at the right step and data position.
+    The fixed pool of 8 prompts after 25 warm-start steps: most groups train, so a step trained
+    twice would show (as "doubled")."""
+    r = phase_resume(tmp_path, steps=8, sft=25, per_step=8, seed=1, victims=("learner", "coordinator"), auto=True,
+                     extra=("data.limit=8",))
+    assert r["rc"] == [0] and [k["kind"] for k in r["injected"]] == ["learner", "coordinator"], r
+    assert r["trained"] >= 32, r  # of 64
+    assert r["resume_ok"] and r.get("cursor_ok"), r["injected"]
+    assert (r["lost"], r["doubled"], r["bad_rows"]) == (0, 0, 0), r["problems"]
+    assert r["leftovers"] == []

@@ -49,6 +49,8 @@ def test_nested_engine_kwargs_stay_plain_dicts():
     ("learner.lr.x=3", "config key 'learner.lr' is a value, not a section"),
     ("learner.zero_stage=5", "config key 'learner.zero_stage': must be 0, 1, 2 or 3"),
     ("learner.betas=0.9", "config key 'learner.betas': needs two values"),
+    ("learner.checkpoint_layers=-2", "config key 'learner.checkpoint_layers': must be -1 (every layer) or >= 0"),
+    ("cluster.max_relaunches=-1", "config key 'cluster.max_relaunches': must be >= 0"),
     ("noequals", "is not of the form key=value"),
 ])
 def test_bad_overrides_get_one_line_errors(override, message):
