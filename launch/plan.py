@@ -315,6 +315,13 @@ def activation_gib(cfg: RunConfig, shape: ModelShape) -> float:
     return (shape.hidden_size * tokens * n * b + (shape.num_layers - n) * one_layer + one_layer) / GIB
 
 
+def _activations_label(cfg: RunConfig, shape: ModelShape) -> str:
+    if not cfg.learner.gradient_checkpointing:
+        return "activations (no checkpointing)"
+    n = checkpointed_layers(cfg, shape)
+    return "activations (checkpointed)" if n == shape.num_layers else f"activations (ckpt {n}/{shape.num_layers})"
+
+
 def _checkpointing_note(cfg: RunConfig, shape: ModelShape) -> str:
     if not cfg.learner.gradient_checkpointing:
         return "off"
@@ -480,7 +487,7 @@ def make_plan(cfg: RunConfig, recipe: str | None = None) -> Plan:
     awake = dict(states)
     if lr.zero_stage >= 3:
         awake["ZeRO-3 gather working set"] = zero3_gather_gib(cfg, shape)
-    awake["activations" + (" (checkpointed)" if lr.gradient_checkpointing else " (no checkpointing)")] = \
+    awake[_activations_label(cfg, shape)] = \
         activation_gib(cfg, shape)
     awake["logits peak" + (" (liger chunks)" if lr.use_liger else " (full fp32)")] = logits_gib(cfg, shape)
     awake["learner CUDA context"] = CUDA_CONTEXT_GIB
