@@ -179,7 +179,7 @@ def apply_liger_kernels(model: torch.nn.Module) -> bool:
 
 
 def limit_checkpointed_layers(model: torch.nn.Module, n: int) -> int:
-    """After gradient_checkpointing_enable: only the first `n` decoder layers recompute in backward
+    """After activation checkpointing is enabled: only the first `n` decoder layers recompute in backward
     (-1: all). Each layer left out keeps its activations (23x what a checkpointed layer keeps for
     the Qwen3-1.7B shape, 32x for 32B: launch/plan.py) and saves its forward recompute, a quarter
     of its FLOPs. Returns how many layers checkpoint. transformers' GradientCheckpointingLayer reads its
@@ -360,7 +360,10 @@ class Learner:
         model.config.use_cache = False
         self.liger_kernels = self.use_liger and learner_cfg.liger_kernels and apply_liger_kernels(model)
         if learner_cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.checkpointed_layers = limit_checkpointed_layers(model, learner_cfg.checkpoint_layers)
         else:
             self.checkpointed_layers = 0
