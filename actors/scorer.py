@@ -122,21 +122,37 @@ class ScorerLoop:
             await scored.publish(encode(result))
             await rollouts.ack([entry_id])  # only now: a crash before this leaves it for reclaim
 
+        # Up to `batch` groups in flight, refilled as each one finishes: one slow query holds one
+        # slot, never the others (no head-of-line blocking behind a batch's slowest group).
+        inflight: dict[str, asyncio.Task] = {}
         try:
             # Messages this consumer had taken before a restart come first.
             entries = await rollouts.pending_mine(self.consumer)
             last_reclaim = time.monotonic()
             while not self._stop.is_set():
-                if not entries:
-                    entries = await rollouts.consume(self.consumer, count=self.batch, block_ms=200)
+                free = self.batch - len(inflight)
+                if not entries and free > 0:
+                    entries = await rollouts.consume(self.consumer, count=free, block_ms=50 if inflight else 200)
                 if time.monotonic() - last_reclaim > max(1.0, self.reclaim_idle_ms / 2000):
                     last_reclaim = time.monotonic()
                     entries += await rollouts.reclaim(self.consumer, self.reclaim_idle_ms, count=self.batch)
-                if entries:
-                    # Groups of one batch score concurrently: the pool spreads their queries.
-                    await asyncio.gather(*(handle(eid, data) for eid, data in entries))
-                entries = []
+                held = []
+                for eid, data in entries:
+                    if eid in inflight:  # reclaimed from ourselves while still being scored
+                        continue
+                    if len(inflight) >= self.batch:
+                        held.append((eid, data))
+                        continue
+                    inflight[eid] = asyncio.create_task(handle(eid, data))
+                entries = held
+                if inflight:
+                    done, _ = await asyncio.wait(list(inflight.values()), timeout=0.05,
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    for eid in [e for e, t in inflight.items() if t in done]:
+                        inflight.pop(eid).result()  # a failure ends the loop (Ray restarts the actor)
         finally:
+            for task in inflight.values():
+                task.cancel()
             await redis.aclose()
 
 

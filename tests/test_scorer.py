@@ -32,6 +32,17 @@ def _group(q, texts, error="", prompt_id="p0", gold_sql=None):
     return RolloutGroup(task=task, samples=samples, policy_version=0, error=error)
 
 
+async def _streams(url: str, run: str):
+    from queues.streams import Stream, connect
+
+    redis = await connect(url)
+    rollouts = Stream(redis, run, "rollouts", group="scorers")
+    scored = Stream(redis, run, "scored", group="assembler")
+    await rollouts.ensure_group()
+    await scored.ensure_group()
+    return redis, rollouts, scored
+
+
 async def test_score_verdicts_rewards_and_stats(scorer, question):
     texts = [f"<think>easy</think>```sql\n{question.sql}\n```"] * 3 + ["```sql\nSELECT 42\n```", "no idea",
                                                                         "```sql\nSELEC broken\n```"]
@@ -56,14 +67,9 @@ async def test_generation_error_and_gold_failed_groups(scorer, question):
 
 async def test_stream_path_scores_publishes_then_acks(scorer, question, tmp_path):
     from queues.redis_server import EmbeddedRedis
-    from queues.streams import Stream, connect
 
     with EmbeddedRedis(tmp_path) as server:
-        redis = await connect(server.url)
-        rollouts = Stream(redis, "t1", "rollouts", group="scorers")
-        scored = Stream(redis, "t1", "scored", group="assembler")
-        await rollouts.ensure_group()
-        await scored.ensure_group()
+        redis, rollouts, scored = await _streams(server.url, "t1")
         enc = codec(RolloutGroup).encode
         for i in range(5):
             await rollouts.publish(enc(_group(question, [f"```sql\n{question.sql}\n```", "nothing"], prompt_id=f"p{i}")))
@@ -87,3 +93,40 @@ async def test_stream_path_scores_publishes_then_acks(scorer, question, tmp_path
         pending = await redis.xpending(rollouts.key, "scorers")
         assert pending["pending"] == 0  # every consumed message acked after its publish
         await redis.aclose()
+
+
+async def test_one_slow_group_does_not_hold_back_the_others(question, tmp_path):
+    """Head-of-line blocking: with 4 slots, groups that arrive while a ~1.5 s query runs are scored
+    at once (the old loop took nothing new until its whole batch, the slow group included, was done)."""
+    from queues.redis_server import EmbeddedRedis
+
+    slow_sql = ("```sql\nWITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 30000000) "
+                "SELECT COUNT(*) FROM c\n```")
+    scorer = Scorer(ScorerConfig(workers=2, timeout_s=1.5, max_rows=1000, memory_mb=1024, temp_store_mb=64),
+                    scorer_id="hol")
+    with EmbeddedRedis(tmp_path) as server:
+        redis, rollouts, scored = await _streams(server.url, "t2")
+        enc = codec(RolloutGroup).encode
+        await rollouts.publish(enc(_group(question, [slow_sql], prompt_id="slow")))
+        loop = ScorerLoop(scorer, consumer="c1", batch=4)
+        task = asyncio.create_task(loop.run(server.url, "t2"))
+        order = []
+        try:
+            for _ in range(100):  # the slow group is taken: now the fast ones arrive
+                if (await redis.xpending(rollouts.key, "scorers"))["pending"]:
+                    break
+                await asyncio.sleep(0.02)
+            for i in range(3):
+                await rollouts.publish(enc(_group(question, [f"```sql\n{question.sql}\n```"], prompt_id=f"fast{i}")))
+            for _ in range(200):
+                for _, data in await scored.consume("a1", count=10, block_ms=50):
+                    order.append(codec(ScoredGroup).decode(data).rollout.task.prompt_id)
+                if len(order) == 4:
+                    break
+        finally:
+            loop.stop()
+            await asyncio.wait_for(task, 10)
+            scorer.close()
+            await redis.aclose()
+        assert len(order) == 4
+        assert order[-1] == "slow", f"fast groups waited behind the slow one: {order}"
