@@ -197,8 +197,11 @@ class Assembler:
             outcomes[t] = admit(g, version, self.cfg)
             if outcomes[t] == TRAINED:
                 kept.append(g)
-        metrics = step_metrics(groups, {t: outcomes[t] for t in fresh})
-        metrics["prompts_failed"] = float(sum(o == FAILED for o in outcomes.values()))
+        # Every task of the step has exactly one outcome (arrived or not): the ledger identity
+        # prompts == sum of prompts_<outcome> holds on every step, timeouts included.
+        if set(outcomes) != set(task_ids):
+            raise RuntimeError(f"step {step}: outcomes for {len(outcomes)} tasks, {len(set(task_ids))} published")
+        metrics = step_metrics(groups, outcomes)
         metrics["duplicates_ignored"] = float(self.duplicates)
         published = False
         if kept:

@@ -59,6 +59,9 @@ async def test_collect_acks_only_after_the_batch_and_ignores_redelivery(redis_ur
     result = await asm.collect(0, ["0:0:0", "0:1:0", "0:2:0"], version=0, timeout_s=1.0)
     assert result["outcomes"] == {"0:0:0": TRAINED, "0:1:0": FILTERED, "0:2:0": FAILED}
     assert result["published"] and result["metrics"]["duplicates_ignored"] == 1
+    m = result["metrics"]  # a group that never arrived is counted: prompts == sum of outcomes
+    assert m["prompts"] == 3 and m["prompts_failed"] == 1
+    assert m["prompts"] == sum(m[f"prompts_{o}"] for o in (TRAINED, FILTERED, STALE, GOLD_FAILED, FAILED))
     assert (await scored_stream.depth())["pending"] == 0
     batches = Stream(redis, "r", "batches", group="learner")
     [(_, data)] = await batches.consume("l", count=5, block_ms=100)
