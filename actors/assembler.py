@@ -67,6 +67,14 @@ def build_batch(step: int, version: int, groups: list[ScoredGroup], cfg: Assembl
                       num_tokens=sum(lengths))
 
 
+def task_step(key: str) -> int | None:
+    """The step a task id or memo key belongs to: "<step>:<prompt>:<slot>", "eval:<step>:<tag><k>" or a
+    step number; None for anything else (never pruned)."""
+    head = key[len("eval:"):] if key.startswith("eval:") else key
+    head = head.split(":", 1)[0]
+    return int(head) if head.lstrip("-").isdigit() else None
+
+
 def step_metrics(groups: list[ScoredGroup], outcomes: dict[str, str]) -> dict[str, float]:
     """Scalars over every scored sample of the step (before filtering), plus outcome counts."""
     rewards = [r for g in groups for r in g.rewards]
@@ -260,15 +268,14 @@ class Assembler:
         late duplicates of those steps still buffered."""
         await self._ensure_started()
 
-        def old(t: str) -> bool:
-            return t[:1].isdigit() and int(t.split(":", 1)[0]) < task_prefix_step
+        def old(t: str | bytes) -> bool:
+            step = task_step(t.decode() if isinstance(t, bytes) else t)
+            return step is not None and step < task_prefix_step
         self.resolved = {t: o for t, o in self.resolved.items() if not old(t)}
         stale = [t for t in self.buffer if old(t)]
         if stale:
             await self.scored.ack([self.buffer.pop(t)[0] for t in stale])
-        fields = [k for k in (await self.scored._call(lambda: self.scored.redis.hkeys(self.memo_key))) or []
-                  if (k.decode() if isinstance(k, bytes) else k).lstrip("-").isdigit()
-                  and int(k) < task_prefix_step]
+        fields = [k for k in (await self.scored._call(lambda: self.scored.redis.hkeys(self.memo_key))) or [] if old(k)]
         if fields:
             await self.scored._call(lambda: self.scored.redis.hdel(self.memo_key, *fields))
 

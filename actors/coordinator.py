@@ -108,6 +108,13 @@ class Coordinator:
                 self._generated[ev.task_id] = ev.at
             await self.events.ack([msg_id])
 
+    def _forget_generated(self, before_step: int) -> None:
+        """Bounds the generated-events map: tasks of steps before `before_step` (evals too) go."""
+        from actors.assembler import task_step
+
+        self._generated = {t: at for t, at in self._generated.items()
+                           if (task_step(t) is None or task_step(t) >= before_step)}
+
     async def _wait_generated(self, task_ids: list[str], timeout_s: float) -> float:
         """Returns when every task's group was published by a generator (event), or at timeout.
         Meanwhile resyncs any generator Ray restarted (it waits for the current weights)."""
@@ -464,6 +471,7 @@ class Coordinator:
                               dropped=int(m["prompts"] - m.get("prompts_trained", 0)))
             self.step = step + 1
             await call(self.assembler, "forget_before", step - 2)
+            self._forget_generated(step - 2)
             if cfg.time_budget_s and time.monotonic() - started > cfg.time_budget_s:
                 break
         if self.step > first and not (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):

@@ -68,3 +68,26 @@ async def test_collect_acks_only_after_the_batch_and_ignores_redelivery(redis_ur
     batch = codec(TrainBatch).decode(data)
     assert batch.step == 0 and [g.prompt_id for g in batch.groups] == ["q0:0:0"]
     await asm.stop()
+
+
+async def test_forget_before_prunes_train_and_eval_state(redis_url):
+    """resolved and the memo stay bounded over a long run: eval tasks ("eval:<step>:g<k>") are
+    pruned like training tasks (they used to stay for the whole run)."""
+    redis = await connect(redis_url)
+    scored_stream = Stream(redis, "f", "scored", group="assembler")
+    await scored_stream.ensure_group()
+    asm = Assembler(AssemblerConfig())
+    await asm.start(redis_url, "f")
+    enc = codec(ScoredGroup).encode
+    for tid in ("0:0:0", "eval:0:g0", "3:0:0", "eval:3:g0"):
+        await scored_stream.publish(enc(scored(tid, [1.0, 0.0])))
+    await asm.collect(0, ["0:0:0"], version=0, timeout_s=5.0)
+    await asm.collect_eval(["eval:0:g0"], timeout_s=5.0)
+    await asm.collect(3, ["3:0:0"], version=0, timeout_s=5.0)
+    await asm.collect_eval(["eval:3:g0"], timeout_s=5.0)
+    assert set(asm.resolved) == {"0:0:0", "eval:0:g0", "3:0:0", "eval:3:g0"}
+    await asm.forget_before(2)
+    assert set(asm.resolved) == {"3:0:0", "eval:3:g0"}
+    memo = {k.decode() for k in await redis.hkeys(asm.memo_key)}
+    assert memo == {"3", "eval:3:g0"}
+    await asm.stop()
