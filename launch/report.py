@@ -1,11 +1,15 @@
 """python -m launch.report RUN_DIR [--out FILE.png]: one PNG of a run's metrics.jsonl.
 
 Panels (each drawn only when at least one of its keys has a value; a step missing a key is a gap):
-    reward          reward_mean, eval_accuracy
-    accuracy        accuracy
+    reward          eval_reward_mean (held-out, sampled: the README's headline), reward_mean (training,
+                    raw and smoothed: mean of the last SMOOTH steps)
+    accuracy        eval_accuracy (held-out, greedy), accuracy (training samples)
     response length response_len_mean
     stage timings   every key starting with "time_" (seconds per step, one line each)
-Rows are {"step": int, "time": float, ...scalars}; null values (NaN when logged) are skipped.
+Rows are {"step": int, "time": float, ...scalars}; null values (NaN when logged) are skipped. Rows of
+step < 0 are the evaluation before training and are drawn at step 0. Every series has its own colour
+across the whole figure; legends sit outside the plots. The title counts training steps (distinct
+steps >= 0), not rows.
 
 Invariant: the report either writes a valid PNG and prints its path (exit 0), or prints one line
 naming the problem (missing/empty/unreadable metrics file, nothing to plot) and exits 2.
@@ -19,11 +23,14 @@ import sys
 from pathlib import Path
 
 PANELS: list[tuple[str, list[str], str]] = [
-    ("reward", ["reward_mean", "eval_accuracy"], "reward"),
-    ("accuracy", ["accuracy"], "fraction"),
+    ("reward", ["eval_reward_mean", "reward_mean"], "reward"),
+    ("accuracy", ["eval_accuracy", "accuracy"], "fraction"),
     ("response length", ["response_len_mean"], "tokens"),
 ]
 TIMING_PREFIX = "time_"
+SMOOTH = 10  # training reward: mean over the last SMOOTH logged steps
+LABELS = {"eval_reward_mean": "held-out reward (sampled)", "reward_mean": "training reward",
+          "eval_accuracy": "held-out accuracy (greedy)", "accuracy": "training accuracy"}
 
 
 class ReportError(ValueError):
@@ -50,14 +57,29 @@ def load_rows(metrics_file: Path) -> list[dict]:
 
 
 def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
-    """(steps, values) of `key` where it is a finite number."""
+    """(steps, values) of `key` where it is a finite number (the pre-training eval at step 0)."""
     steps, values = [], []
     for row in rows:
         v = row.get(key)
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            steps.append(float(row["step"]))
+            steps.append(float(max(0, row["step"])))
             values.append(float(v))
     return steps, values
+
+
+def smoothed(values: list[float], window: int = SMOOTH) -> list[float]:
+    """Trailing mean over up to `window` values (the first ones average what exists so far)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def training_steps(rows: list[dict]) -> int:
+    return len({row["step"] for row in rows if isinstance(row.get("step"), int) and row["step"] >= 0})
 
 
 def panels_for(rows: list[dict]) -> list[tuple[str, list[str], str]]:
@@ -84,17 +106,25 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         raise ReportError(f"{run_dir / 'metrics.jsonl'} has none of reward_mean, eval_accuracy, accuracy, "
                           f"response_len_mean or {TIMING_PREFIX}* keys")
     out_path = Path(out) if out else run_dir / "report.png"
-    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.6 * len(panels)), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 2.6 * len(panels)), sharex=True, squeeze=False)
+    colours = iter(plt.get_cmap("tab20").colors)
     for ax, (title, keys, unit) in zip(axes[:, 0], panels):
         for key in keys:
             steps, values = series(rows, key)
-            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=key)
+            marker = "o" if len(steps) < 30 else None
+            label = LABELS.get(key, key)
+            if key == "reward_mean" and len(values) > SMOOTH:
+                ax.plot(steps, values, color=next(colours), alpha=0.35, linewidth=0.8, label=f"{label} (raw)")
+                ax.plot(steps, smoothed(values), color=next(colours), linewidth=1.8,
+                        label=f"{label} (mean of last {SMOOTH})")
+                continue
+            ax.plot(steps, values, color=next(colours), marker=marker, markersize=3, label=label)
         ax.set_title(title)
         ax.set_ylabel(unit)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="best")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     axes[-1, 0].set_xlabel("step")
-    fig.suptitle(f"{run_dir.name}: {len(rows)} steps")
+    fig.suptitle(f"{run_dir.name}: {training_steps(rows)} training steps")
     fig.tight_layout()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path, format="png", dpi=100)

@@ -49,7 +49,17 @@ def test_panels_skip_missing_keys_and_collect_timings():
     panels = {title: keys for title, keys, _ in panels_for(rows)}
     assert panels == {"accuracy": ["accuracy"], "stage timings": ["time_score", "time_train"]}
     full = {title: keys for title, keys, _ in panels_for(synthetic_rows())}
-    assert full["reward"] == ["reward_mean", "eval_accuracy"]
+    assert full["reward"] == ["reward_mean"] and full["accuracy"] == ["eval_accuracy", "accuracy"]
+
+
+def test_held_out_reward_is_plotted_smoothing_and_step_count():
+    from launch.report import smoothed, training_steps
+
+    rows = [{"step": -1, "eval_reward_mean": 0.12}] + synthetic_rows(4) + [{"step": 3, "eval_reward_mean": 0.2}]
+    panels = {title: keys for title, keys, _ in panels_for(rows)}
+    assert panels["reward"] == ["eval_reward_mean", "reward_mean"]
+    assert training_steps(rows) == 4  # 6 rows: the pre-training eval and a second row of step 3 are no steps
+    assert smoothed([1.0, 3.0, 5.0, 7.0], window=2) == [1.0, 2.0, 4.0, 6.0]
 
 
 def test_empty_or_missing_metrics_is_a_one_line_error_exit_2(tmp_path, capsys):
