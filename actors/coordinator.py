@@ -476,6 +476,9 @@ class Coordinator:
                 break
         if self.step > first and not (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):
             await self.save_checkpoint(self.step - 1)
+        if self.metrics_logger is not None:
+            self.metrics_logger.close()  # flushes metrics.jsonl; wandb.finish() when W&B is on
+            self.metrics_logger = None
         return {"steps": self.step, "version": self.version, "outcomes": _count(self.ledger.values()),
                 "ledger_size": len(self.ledger)}
 
