@@ -134,7 +134,9 @@ class CoordinatorConfig(_Section):
     mode: Literal["colocated", "async"] = "colocated"
     steps: int = 100
     prompts_per_step: int = 32
-    weight_sync: Literal["object_store", "cuda_ipc", "nccl"] = "object_store"
+    # auto: what the placement implies (launch/placement.py): cuda_ipc colocated on GPUs, nccl async on
+    # GPUs, object_store on CPU; an explicit transport the placement cannot carry is a ConfigError
+    weight_sync: Literal["auto", "object_store", "cuda_ipc", "nccl"] = "auto"
     weight_bucket_mb: int = 512
     checkpoint_every: int = 0  # 0: never (a final checkpoint is still written)
     eval_every: int = 0  # 0: never
@@ -315,6 +317,16 @@ def check_inputs(cfg: RunConfig) -> None:
         raise ConfigError("config key 'model.path': is required (a local directory or a hub id)")
     if not cfg.data.synthetic and not cfg.data.bird_dir:
         raise ConfigError("config key 'data.bird_dir': is required (the directory holding train.json / dev.json)")
+    check_attention(cfg)
+
+
+def check_attention(cfg: RunConfig) -> None:
+    """flash_attention_2 only where flash-attn imports (the learner's varlen path needs nothing)."""
+    import importlib.util
+
+    if cfg.model.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError("config key 'model.attn_implementation': flash_attention_2 needs the flash-attn package, "
+                          "which does not import here; use sdpa (the learner's varlen path on CUDA) or varlen")
 
 
 def to_dict(cfg: Any) -> dict:

@@ -114,6 +114,9 @@ def place_and_run(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, mo
     from launch.metrics import MetricsLogger
 
     names = names or run_id
+    from launch.placement import make_placement
+
+    cfg.coordinator.weight_sync = make_placement(cfg).weight_sync  # "auto" -> what the placement implies
     learner, generators, scorers, assembler = create_actors(cfg, run_id, run_dir, redis_url, model_path,
                                                             cfg.coordinator.steps, names)
     hw = cfg.cluster.stream_high_water

@@ -4,13 +4,13 @@
 prints, `Plan.to_dict()` the same as builtins, `Plan.fits` the verdict (the CLI's exit code).
 
 Placement
-    GPUs are cluster.num_nodes x cluster.gpus_per_node. Generator engines (generator.num_engines,
-    each generator.tensor_parallel_size GPUs) are packed first-fit onto nodes in order, so a TP group
-    never crosses a node. colocated: one learner rank on every GPU (world size = all GPUs), engines on
-    the first num_engines x TP of them. async: the engines' GPUs are theirs alone and the learner gets
-    every remaining GPU (world size = total - engine GPUs); too few GPUs is a failure. The coordinator,
-    the scorers and the assembler take CPUs of node 0. With no GPUs (tiny) the plan is CPU only: every
-    actor's Ray CPU request, summed against cluster.num_cpus (0: this machine's CPUs).
+    Taken whole from launch.placement.make_placement (the function the launcher and --preflight build):
+    nodes, one placement-group bundle per GPU, which actor on which bundle / node-local GPU, each
+    actor's Ray request (GPU fraction, CPUs), the learner world size W and the weight-sync transport.
+    Its errors (engines that do not fit, async without learner GPUs) are plan errors. One row per
+    engine, one per node for the learner ranks (each rank's request shown), one per CPU actor. With
+    no GPUs (tiny) the plan is CPU only: every actor's Ray CPU request, summed against
+    cluster.num_cpus (0: this machine's CPUs).
 
 Memory, per GPU, in GiB (2**30 bytes). N = parameters, W = learner world size, T = assembler.micro_batch_tokens,
 h = hidden, L = layers, I = intermediate, V = vocab, hd = head_dim, nh/nkv = attention/KV heads, b = bytes of dtype.
@@ -59,95 +59,14 @@ and the numbers.
 """
 from __future__ import annotations
 
-import json
-import math
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-from launch.config import ConfigError, RunConfig
-
-GIB = float(1 << 30)
-CUDA_CONTEXT_GIB = 0.5
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-# ---------------------------------------------------------------------------------------------
-# Model shapes
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    name: str
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    @property
-    def layer_params(self) -> int:
-        h, hd = self.hidden_size, self.head_dim
-        attention = h * self.num_heads * hd + 2 * h * self.num_kv_heads * hd + self.num_heads * hd * h
-        mlp = 3 * h * self.intermediate_size
-        norms = 2 * h + 2 * hd
-        return attention + mlp + norms
-
-    @property
-    def num_params(self) -> int:
-        lm_head = 0 if self.tie_word_embeddings else self.embedding_params
-        return self.embedding_params + lm_head + self.num_layers * self.layer_params + self.hidden_size
-
-
-def _qwen3(name, hidden, layers, heads, kv_heads, intermediate, tied) -> ModelShape:
-    return ModelShape(name, hidden, layers, heads, kv_heads, 128, intermediate, 151_936, tied)
-
-
-QWEN3_SHAPES: dict[str, ModelShape] = {s.name.lower(): s for s in [
-    _qwen3("Qwen/Qwen3-0.6B", 1024, 28, 16, 8, 3072, True),
-    _qwen3("Qwen/Qwen3-1.7B", 2048, 28, 16, 8, 6144, True),
-    _qwen3("Qwen/Qwen3-4B", 2560, 36, 32, 8, 9728, True),
-    _qwen3("Qwen/Qwen3-8B", 4096, 36, 32, 8, 12288, False),
-    _qwen3("Qwen/Qwen3-14B", 5120, 40, 40, 8, 17408, False),
-    _qwen3("Qwen/Qwen3-32B", 5120, 64, 64, 8, 25600, False),
-]}
-
-
-def model_shape(cfg: RunConfig) -> ModelShape:
-    """The model's shape: the tiny_* fields, a local config.json, or the built-in Qwen3 table."""
-    m = cfg.model
-    if m.source == "tiny":
-        return ModelShape("tiny", m.tiny_hidden_size, m.tiny_layers, m.tiny_heads, m.tiny_kv_heads,
-                          m.tiny_hidden_size // m.tiny_heads, m.tiny_intermediate_size, m.tiny_vocab_size, True)
-    path = Path(m.path) if m.path else None
-    if path is not None and path.is_dir():
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise ConfigError(f"config key 'model.path': {path} has no config.json to read the model shape from")
-        try:
-            c = json.loads(config_file.read_text())
-            heads = int(c["num_attention_heads"])
-            return ModelShape(str(path), int(c["hidden_size"]), int(c["num_hidden_layers"]), heads,
-                              int(c.get("num_key_value_heads") or heads),
-                              int(c.get("head_dim") or c["hidden_size"] // heads),
-                              int(c["intermediate_size"]), int(c["vocab_size"]),
-                              bool(c.get("tie_word_embeddings", False)))
-        except (KeyError, ValueError, TypeError) as e:
-            raise ConfigError(f"config key 'model.path': {config_file} lacks a usable field ({e})") from None
-    shape = QWEN3_SHAPES.get(m.path.lower())
-    if shape is None:
-        known = ", ".join(s.name for s in QWEN3_SHAPES.values())
-        raise ConfigError(f"config key 'model.path': {m.path!r} is neither a local directory with config.json "
-                          f"nor a known hub id ({known})")
-    return shape
-
+from launch.config import RunConfig
+from launch.memory import (CUDA_CONTEXT_GIB, DTYPE_BYTES, GIB, QWEN3_SHAPES, ModelShape,  # noqa: F401 (re-exported)
+                           _activations_label, _checkpointing_note, activation_gib, kv_bytes_per_token,
+                           learner_state_gib, logits_gib, model_shape, zero3_gather_gib)
+from launch.placement import ActorSlot, Placement, make_placement
 
 # ---------------------------------------------------------------------------------------------
 # Plan
@@ -155,11 +74,14 @@ def model_shape(cfg: RunConfig) -> ModelShape:
 
 @dataclass
 class ActorPlacement:
-    actor: str  # "generator[3]", "learner", "scorer[0]", ...
+    """One row of the rendered placement (the learner's ranks on one node share a row)."""
+    actor: str  # "generator-3", "learner-0..7", "scorer-0", ...
     node: int
     gpus: list[int]  # local GPU indices on that node; [] for CPU-only actors
-    num_cpus: float
+    num_cpus: float  # per actor (per rank for a learner row)
     detail: str = ""
+    num_gpus: float = 0.0  # per actor (per rank)
+    bundle: str = "-"  # placement-group bundle(s) on the node; "cpu" for node 0's CPU bundle
 
 
 @dataclass
@@ -197,6 +119,7 @@ class Plan:
     errors: list[str] = field(default_factory=list)
     cpu_requested: float = 0.0
     cpu_available: float = 0.0
+    placement: Placement | None = None  # what the launcher and --preflight build
 
     @property
     def fits(self) -> bool:
@@ -204,6 +127,7 @@ class Plan:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        d["placement"] = self.placement.to_dict() if self.placement is not None else None
         d["fits"] = self.fits
         d["model"]["num_params"] = self.num_params
         for g, gd in zip(self.gpu_memory, d["gpu_memory"]):
@@ -223,9 +147,15 @@ class Plan:
                          f"learner world size {self.learner_world_size}")
         else:
             lines.append(f"CPU only: {self.cpu_requested:g} CPUs requested of {self.cpu_available:g}")
-        lines += ["", "placement:", f"  {'actor':<16} {'node':>4}  {'gpus':<12} {'cpus':>5}  detail"]
+        if self.placement is not None:
+            lines.append(f"weight sync: {self.placement.weight_sync}")
+            for node, row in enumerate(self.placement.bundles):
+                if row:
+                    lines.append(f"node {node}: placement group (STRICT_PACK) of {_bundle_list(row)}")
+        lines += ["", "placement:", f"  {'actor':<16} {'node':>4}  {'bundles':<9} {'gpus':<9} {'gpu':>4} {'cpus':>5}  detail"]
         for p in self.placements:
-            lines.append(f"  {p.actor:<16} {p.node:>4}  {_ranges(p.gpus) or '-':<12} {p.num_cpus:>5g}  {p.detail}")
+            lines.append(f"  {p.actor:<16} {p.node:>4}  {p.bundle:<9} {_ranges(p.gpus) or '-':<9} {p.num_gpus:>4g} "
+                         f"{p.num_cpus:>5g}  {p.detail}")
         for g in self.gpu_memory:
             lines += ["", f"memory per GPU, GiB — {g.role} GPUs ({len(g.gpus)}: {_gpu_list(g.gpus)}):"]
             phases = list(g.phases)
@@ -278,6 +208,18 @@ def _ranges(ids: list[int]) -> str:
     return ",".join(out)
 
 
+def _bundle_list(row: list[dict[str, float]]) -> str:
+    """[{GPU 1, CPU 2} x8, {CPU 1}] as "8 x {GPU: 1, CPU: 2} + {CPU: 1}"."""
+    groups: list[list] = []
+    for b in row:
+        if groups and groups[-1][0] == b:
+            groups[-1][1] += 1
+        else:
+            groups.append([b, 1])
+    text = ["{" + ", ".join(f"{k}: {v:g}" for k, v in b.items()) + "}" for b, _ in groups]
+    return " + ".join(f"{n} x {t}" if n > 1 else t for t, (_, n) in zip(text, groups))
+
+
 def _gpu_list(gpus: list[tuple[int, int]]) -> str:
     by_node: dict[int, list[int]] = {}
     for node, gpu in gpus:
@@ -285,121 +227,54 @@ def _gpu_list(gpus: list[tuple[int, int]]) -> str:
     return " ".join(f"node{n}:{_ranges(sorted(g))}" for n, g in sorted(by_node.items()))
 
 
-# ---------------------------------------------------------------------------------------------
-# Arithmetic
+def placement_rows(cfg: RunConfig, placement: Placement) -> list[ActorPlacement]:
+    """The placement as table rows: one per engine, one per node of learner ranks, one per CPU actor."""
+    gen, lr, world = cfg.generator, cfg.learner, placement.learner_world_size
+
+    def bundles(a: ActorSlot) -> str:
+        if a.bundle is None:
+            return "-"
+        return "cpu" if a.bundle == placement.cpu_bundle else _ranges(list(a.gpus) or [a.bundle])
+    rows = []
+    detail = {"generator": f"{gen.engine} TP {gen.tensor_parallel_size}",
+              "coordinator": f"{cfg.coordinator.steps} steps",
+              "scorer": f"SQLite pool of {cfg.scorer.workers} processes",
+              "assembler": f"micro-batches of {cfg.assembler.micro_batch_tokens} tokens"}
+    for node in range(placement.num_nodes):
+        ranks = [a for a in placement.by_role("learner") if a.node == node]
+        if not ranks:
+            continue
+        gpus = [g for a in ranks for g in a.gpus]
+        first, last = ranks[0].rank, ranks[-1].rank
+        name = f"learner-{first}" if first == last else f"learner-{first}..{last}"
+        shares = sorted({a.num_gpus for a in ranks})
+        rows.append(ActorPlacement(name, node, gpus, lr.num_cpus, f"rank{'s' if last > first else ''} "
+                                   f"{first}{'-' + str(last) if last > first else ''} of {world}, ZeRO-{lr.zero_stage}",
+                                   shares[-1], _ranges(gpus) if placement.gpu else "-"))
+        if len(shares) > 1:
+            rows[-1].detail += f" (GPU {shares[0]:g} where an engine shares it)"
+    engines = [ActorPlacement(a.name, a.node, list(a.gpus), a.num_cpus, detail["generator"], a.num_gpus, bundles(a))
+               for a in placement.by_role("generator")]
+    rest = [ActorPlacement(a.name, a.node, [], a.num_cpus, detail[a.role], 0.0, bundles(a))
+            for a in placement.actors if a.role not in ("generator", "learner")]
+    return engines + rows + rest
 
 
-def learner_state_gib(cfg: RunConfig, n_params: int, world: int) -> dict[str, float]:
-    """Weights, grads and optimizer states per rank under the ZeRO stage (GiB)."""
-    stage, b = cfg.learner.zero_stage, DTYPE_BYTES[cfg.learner.dtype]
-    optimizer_bytes_per_param = 12 if cfg.learner.dtype == "bfloat16" else 8
-    weights = b * n_params / (world if stage >= 3 else 1)
-    grads = b * n_params / (world if stage >= 2 else 1)
-    optimizer = optimizer_bytes_per_param * n_params / (world if stage >= 1 else 1)
-    return {"learner weights": weights / GIB, "learner grads": grads / GIB, "learner optimizer": optimizer / GIB}
-
-
-def layer_activation_bytes(shape: ModelShape, tokens: int, bytes_per: int) -> int:
-    h, hd = shape.hidden_size, shape.head_dim
-    per_token = 5 * h + 4 * (shape.num_heads + shape.num_kv_heads) * hd + 4 * shape.intermediate_size
-    return tokens * per_token * bytes_per
-
-
-def activation_gib(cfg: RunConfig, shape: ModelShape) -> float:
-    tokens, b = cfg.assembler.micro_batch_tokens, DTYPE_BYTES[cfg.learner.dtype]
-    one_layer = layer_activation_bytes(shape, tokens, b)
-    if not cfg.learner.gradient_checkpointing:
-        return shape.num_layers * one_layer / GIB
-    n = checkpointed_layers(cfg, shape)
-    # a checkpointed layer keeps its input; the others keep everything; backward recomputes one at a time
-    return (shape.hidden_size * tokens * n * b + (shape.num_layers - n) * one_layer + one_layer) / GIB
-
-
-def _activations_label(cfg: RunConfig, shape: ModelShape) -> str:
-    if not cfg.learner.gradient_checkpointing:
-        return "activations (no checkpointing)"
-    n = checkpointed_layers(cfg, shape)
-    return "activations (checkpointed)" if n == shape.num_layers else f"activations (ckpt {n}/{shape.num_layers})"
-
-
-def _checkpointing_note(cfg: RunConfig, shape: ModelShape) -> str:
-    if not cfg.learner.gradient_checkpointing:
-        return "off"
-    n = checkpointed_layers(cfg, shape)
-    return "on" if n == shape.num_layers else f"on for {n} of {shape.num_layers} layers"
-
-
-def checkpointed_layers(cfg: RunConfig, shape: ModelShape) -> int:
-    n = cfg.learner.checkpoint_layers
-    if n > shape.num_layers:
-        raise ConfigError(f"config key 'learner.checkpoint_layers': {n} exceeds the model's {shape.num_layers} decoder layers")
-    return shape.num_layers if n < 0 else n
-
-
-def logits_gib(cfg: RunConfig, shape: ModelShape) -> float:
-    tokens, vocab = cfg.assembler.micro_batch_tokens, shape.vocab_size
-    if not cfg.learner.use_liger:
-        return tokens * vocab * 4 / GIB
-    chunks = math.ceil(vocab / shape.hidden_size)
-    chunk_tokens = min(tokens, 1 << max(0, math.ceil(math.log2(math.ceil(tokens / chunks)))))
-    return 2 * chunk_tokens * vocab * 4 / GIB
-
-
-def zero3_gather_gib(cfg: RunConfig, shape: ModelShape) -> float:
-    largest_module = max(shape.layer_params, shape.embedding_params)
-    return 3 * largest_module * DTYPE_BYTES[cfg.learner.dtype] / GIB
-
-
-def kv_bytes_per_token(shape: ModelShape, tp: int, bytes_per: int) -> int:
-    kv_heads_per_gpu = max(1, math.ceil(shape.num_kv_heads / tp))
-    return 2 * shape.num_layers * kv_heads_per_gpu * shape.head_dim * bytes_per
-
-
-def place_engines(num_engines: int, tp: int, num_nodes: int, gpus_per_node: int) -> list[tuple[int, list[int]]]:
-    """First-fit: each engine's TP group on one node. Raises ValueError when they don't fit."""
-    if tp > gpus_per_node:
-        raise ValueError(f"generator.tensor_parallel_size={tp} exceeds cluster.gpus_per_node={gpus_per_node}: "
-                         "a TP group never crosses a node")
-    free = [gpus_per_node] * num_nodes
-    placed = []
-    for engine in range(num_engines):
-        node = next((n for n in range(num_nodes) if free[n] >= tp), None)
-        if node is None:
-            raise ValueError(f"{num_engines} engines x TP {tp} = {num_engines * tp} GPUs do not fit on "
-                             f"{num_nodes} node(s) x {gpus_per_node} GPUs (engine {engine} has no node)")
-        first = gpus_per_node - free[node]
-        placed.append((node, list(range(first, first + tp))))
-        free[node] -= tp
-    return placed
-
-
-def _cpu_actors(cfg: RunConfig) -> list[ActorPlacement]:
-    out = [ActorPlacement("coordinator", 0, [], cfg.coordinator.num_cpus, f"{cfg.coordinator.steps} steps")]
-    out += [ActorPlacement(f"scorer[{i}]", 0, [], cfg.scorer.num_cpus, f"SQLite pool of {cfg.scorer.workers} processes")
-            for i in range(cfg.scorer.num_scorers)]
-    out.append(ActorPlacement("assembler", 0, [], cfg.assembler.num_cpus,
-                              f"micro-batches of {cfg.assembler.micro_batch_tokens} tokens"))
-    return out
-
-
-def _cpu_plan(cfg: RunConfig, shape: ModelShape, recipe: str) -> Plan:
-    gen = cfg.generator
-    placements = [ActorPlacement(f"generator[{i}]", 0, [], gen.num_cpus, f"{gen.engine} engine")
-                  for i in range(gen.num_engines)]
-    placements.append(ActorPlacement("learner", 0, [], cfg.learner.num_cpus, f"ZeRO-{cfg.learner.zero_stage}, 1 rank"))
-    placements += _cpu_actors(cfg)
-    requested = sum(p.num_cpus for p in placements)
+def _cpu_plan(cfg: RunConfig, shape: ModelShape, recipe: str, placement: Placement) -> Plan:
+    placements = placement_rows(cfg, placement)
+    requested = sum(a.num_cpus for a in placement.actors)
     available = float(cfg.cluster.num_cpus or os.cpu_count() or 1)
     n = shape.num_params
-    states = learner_state_gib(cfg, n, 1)
-    plan = Plan(recipe, cfg.coordinator.mode, shape, n, cfg.cluster.gpu_memory_gib, 0, 1, placements, [],
-                cpu_requested=requested, cpu_available=available)
+    world = placement.learner_world_size
+    states = learner_state_gib(cfg, n, world)
+    plan = Plan(recipe, cfg.coordinator.mode, shape, n, cfg.cluster.gpu_memory_gib, 0, world, placements, [],
+                cpu_requested=requested, cpu_available=available, placement=placement)
     plan.facts["model params"] = n
-    plan.facts["learner states (host RAM), MiB"] = round(sum(states.values()) * 1024, 2)
+    plan.facts["learner states per rank (host RAM), MiB"] = round(sum(states.values()) * 1024, 2)
     plan.facts["generator weights (host RAM), MiB"] = round(n * DTYPE_BYTES[cfg.model.dtype] / GIB * 1024, 2)
     if requested > available + 1e-9:
         plan.errors.append(f"CPU requests sum to {requested:g} but cluster.num_cpus gives {available:g}: "
-                           + ", ".join(f"{p.actor}={p.num_cpus:g}" for p in placements))
+                           + ", ".join(f"{a.name}={a.num_cpus:g}" for a in placement.actors))
     return plan
 
 
@@ -408,44 +283,23 @@ def make_plan(cfg: RunConfig, recipe: str | None = None) -> Plan:
     recipe = recipe or cfg.name
     shape = model_shape(cfg)
     cl, gen, lr = cfg.cluster, cfg.generator, cfg.learner
+    placement = make_placement(cfg)
     if cl.gpus_per_node <= 0:
-        return _cpu_plan(cfg, shape, recipe)
+        return _cpu_plan(cfg, shape, recipe, placement)
 
     n = shape.num_params
     total_gpus = cl.num_nodes * cl.gpus_per_node
     mem = cl.gpu_memory_gib
     tp = gen.tensor_parallel_size
     mode = cfg.coordinator.mode
-    errors: list[str] = []
+    errors: list[str] = list(placement.errors)
     all_gpus = [(node, g) for node in range(cl.num_nodes) for g in range(cl.gpus_per_node)]
-
-    try:
-        engines = place_engines(gen.num_engines, tp, cl.num_nodes, cl.gpus_per_node)
-    except ValueError as e:
-        engines = []
-        errors.append(f"placement: {e}")
+    engines = [(a.node, list(a.gpus)) for a in placement.by_role("generator")]
     engine_gpus = [(node, g) for node, gpus in engines for g in gpus]
-    if mode == "colocated":
-        learner_gpus = all_gpus
-    else:
-        taken = set(engine_gpus)
-        learner_gpus = [x for x in all_gpus if x not in taken]
-        if engines and not learner_gpus:
-            errors.append(f"placement: async mode needs GPUs of its own for the learner, but {gen.num_engines} "
-                          f"engines x TP {tp} take all {total_gpus} GPUs")
-    world = len(learner_gpus)
+    learner_gpus = [(a.node, a.gpus[0]) for a in placement.by_role("learner")]
+    world = placement.learner_world_size
     divisor = max(1, world)  # async with no learner GPU is already an error; keep the arithmetic finite
-
-    placements = [ActorPlacement(f"generator[{i}]", node, gpus, gen.num_cpus, f"{gen.engine} TP {tp}")
-                  for i, (node, gpus) in enumerate(engines)]
-    for node in range(cl.num_nodes):
-        local = [g for (nd, g) in learner_gpus if nd == node]
-        if local:
-            first_rank = learner_gpus.index((node, local[0]))
-            placements.append(ActorPlacement(
-                "learner", node, local, lr.num_cpus * len(local),
-                f"ranks {first_rank}-{first_rank + len(local) - 1} of {world}, ZeRO-{lr.zero_stage}"))
-    placements += _cpu_actors(cfg)
+    placements = placement_rows(cfg, placement)
 
     # vLLM per engine GPU
     b_model = DTYPE_BYTES[cfg.model.dtype]
@@ -545,9 +399,10 @@ def make_plan(cfg: RunConfig, recipe: str | None = None) -> Plan:
         per_node = max(sum(1 for nd, _ in learner_gpus if nd == node) for node in range(cl.num_nodes))
         notes.append(f"optimizer offloaded to host RAM while asleep: {states['learner optimizer'] * per_node:.1f} "
                      f"GiB per node")
-    plan = Plan(recipe, mode, shape, n, mem, total_gpus, world, placements, gpu_memory, facts, notes, errors)
+    plan = Plan(recipe, mode, shape, n, mem, total_gpus, world, placements, gpu_memory, facts, notes, errors,
+                placement=placement)
     if cl.num_cpus and cl.num_nodes == 1:
-        plan.cpu_requested = sum(p.num_cpus for p in placements)
+        plan.cpu_requested = sum(a.num_cpus for a in placement.actors)
         plan.cpu_available = float(cl.num_cpus)
         if plan.cpu_requested > plan.cpu_available + 1e-9:
             errors.append(f"CPU requests sum to {plan.cpu_requested:g} but cluster.num_cpus gives {cl.num_cpus}")

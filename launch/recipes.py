@@ -44,7 +44,8 @@ def _bird_base(name: str, model: str) -> RunConfig:
     return RunConfig(
         name=name,
         data=DataConfig(bird_dir="", max_prompt_tokens=8192, sample_values=3, eval_size=0),
-        model=ModelConfig(path=model, dtype="bfloat16", attn_implementation="flash_attention_2"),
+        # sdpa: on CUDA without flash-attn the learner selects its varlen path (actors/attention.py)
+        model=ModelConfig(path=model, dtype="bfloat16", attn_implementation="sdpa"),
         generator=GeneratorConfig(engine="vllm", n_samples=16, temperature=1.0, top_p=1.0, max_tokens=4096,
                                   gpu_memory_utilization=0.5, enable_prefix_caching=True, sleep_level=2,
                                   max_inflight_prompts=128),
@@ -65,7 +66,6 @@ def bird_1p7b() -> RunConfig:
     cfg.generator.num_engines, cfg.generator.tensor_parallel_size = 8, 1
     cfg.learner.zero_stage = 2
     cfg.coordinator.prompts_per_step = 64
-    cfg.coordinator.weight_sync = "cuda_ipc"
     cfg.cluster = ClusterConfig(num_nodes=1, gpus_per_node=8, gpu_memory_gib=80.0)
     return cfg
 
@@ -78,7 +78,6 @@ def bird_32b() -> RunConfig:
     cfg.learner.zero_stage = 3
     cfg.learner.lr = 2e-6
     cfg.coordinator.prompts_per_step = 128
-    cfg.coordinator.weight_sync = "cuda_ipc"
     cfg.cluster = ClusterConfig(num_nodes=4, gpus_per_node=8, gpu_memory_gib=80.0)
     return cfg
 

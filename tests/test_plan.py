@@ -34,12 +34,12 @@ def test_bird_32b_places_8_tp4_engines_without_crossing_nodes_and_32_learner_ran
     plan = plan_for("bird_32b")
     assert plan.fits, plan.errors
     assert plan.total_gpus == 32 and plan.learner_world_size == 32
-    engines = [p for p in plan.placements if p.actor.startswith("generator[")]
+    engines = [p for p in plan.placements if p.actor.startswith("generator-")]
     assert len(engines) == 8
     assert all(len(p.gpus) == 4 and 0 <= p.node < 4 for p in engines)
     used = [(p.node, g) for p in engines for g in p.gpus]
     assert len(set(used)) == 32  # every GPU exactly once
-    assert {p.node for p in plan.placements if p.actor in ("coordinator", "assembler") or p.actor.startswith("scorer")} == {0}
+    assert {p.node for p in plan.placements if p.actor in ("coordinator", "assembler") or p.actor.startswith("scorer-")} == {0}
 
 
 def test_bird_32b_memory_numbers_are_the_hand_computed_ones():
@@ -146,7 +146,7 @@ def test_a_tp_group_never_crosses_a_node():
     plan = plan_for("bird_32b", "generator.tensor_parallel_size=3", "generator.num_engines=8")
     # 2 engines of TP 3 per 8-GPU node: 8 engines need 4 nodes; a 9th would not fit
     assert plan.fits, plan.errors
-    assert all(max(p.gpus) < 8 for p in plan.placements if p.actor.startswith("generator["))
+    assert all(max(p.gpus) < 8 for p in plan.placements if p.actor.startswith("generator-"))
     assert not plan_for("bird_32b", "generator.tensor_parallel_size=3", "generator.num_engines=9").fits
 
 

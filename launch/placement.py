@@ -1,0 +1,194 @@
+"""Where every actor of a run sits: ONE pure function, `make_placement(cfg) -> Placement`.
+
+`--dry-run` renders it (launch/plan.py adds the memory arithmetic), `--preflight` builds it with probe
+actors (launch/preflight.py), the launcher builds it for real (launch/place.py). Nothing here imports Ray.
+
+GPU recipes (cluster.gpus_per_node > 0)
+    Nodes are cluster.num_nodes x cluster.gpus_per_node. Every node gets ONE placement group
+    (STRICT_PACK: all its bundles on one Ray node) whose bundle i is local GPU slot i,
+    `{"GPU": 1, "CPU": c}`; node 0's group ends with one CPU-only bundle for the coordinator, the
+    scorers and the assembler (the sum of their num_cpus), so those actors never take a CPU a GPU
+    bundle reserved for its ranks or TP workers.
+    Engines (generator.num_engines, each generator.tensor_parallel_size = k GPUs) are packed
+    first-fit onto nodes, so a TP group is k consecutive bundles of ONE node. An engine's actor sits
+    on its first bundle; its TP workers use the other k-1 bundles' GPUs: the generator gets
+    `device_ids` (the node-local GPU ids Ray assigned to its k bundles, probed at launch) and sets
+    CUDA_VISIBLE_DEVICES from them before vLLM starts its workers (vLLM's mp executor; vLLM also
+    documents VLLM_RAY_BUNDLE_INDICES + VLLM_RAY_PER_WORKER_GPUS for its Ray executor, which
+    OpenRLHF and SkyRL use: `bundles` below are those indices).
+    colocated: learner rank i on bundle i of the GPUs in node order (world size = every GPU); a
+        bundle an engine covers has c = learner.num_cpus + generator.num_cpus and is shared 0.5/0.5
+        GPU by the rank and (on the engine's first bundle) the engine's actor; a bundle no engine
+        covers has c = learner.num_cpus and the rank takes the whole GPU.
+    async: the engines' bundles (c = generator.num_cpus, the actor takes 1 GPU) come first on each
+        node, the learner ranks take every remaining GPU (c = learner.num_cpus, 1 GPU each), in
+        node order; world size = total - engine GPUs. No GPU left for the learner is an error.
+CPU recipes (gpus_per_node == 0)
+    No placement group: `learner.num_ranks` rank processes and every other actor ask Ray for their
+    num_cpus alone (node 0), as before placement groups existed.
+
+Weight sync follows from the placement (`weight_sync`): coordinator.weight_sync="auto" resolves to
+cuda_ipc when colocated on GPUs, nccl when async on GPUs, object_store on CPU. An explicit request
+that cannot work is a ConfigError naming `coordinator.weight_sync`: cuda_ipc needs every engine GPU
+to hold a learner rank (colocated GPUs); nccl between processes sharing a GPU (colocated GPUs) is
+refused by NCCL; on CPU nccl means the gloo broadcast.
+
+Invariants: every GPU bundle is used by at least one actor; no GPU slot is given to two actors except
+a colocated rank and the engine covering it (0.5 + 0.5); an engine's bundles are on one node; actor
+names are unique; `errors` lists every reason the placement is impossible, one line each (the
+placement is still returned so the plan can be printed).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from launch.config import ConfigError, RunConfig
+
+
+@dataclass(frozen=True)
+class ActorSlot:
+    """One actor: where it sits and what it asks Ray for."""
+
+    name: str  # "learner-3", "generator-1", "scorer-0", "assembler", "coordinator"
+    role: str  # "learner", "generator", "scorer", "assembler", "coordinator"
+    node: int
+    bundle: int | None  # index into its node's placement group; None: no placement group (CPU recipes)
+    gpus: tuple[int, ...] = ()  # node-local GPU slots it covers (an engine: its k TP bundles)
+    num_gpus: float = 0.0
+    num_cpus: float = 0.0
+    rank: int | None = None  # learner rank / engine index
+
+
+@dataclass
+class Placement:
+    mode: str
+    num_nodes: int
+    gpus_per_node: int
+    bundles: list[list[dict[str, float]]]  # per node; [] for every node of a CPU recipe
+    actors: list[ActorSlot]
+    learner_world_size: int
+    weight_sync: str
+    cpu_bundle: int | None = None  # node 0's CPU-only bundle (None: CPU recipe)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def gpu(self) -> bool:
+        return self.gpus_per_node > 0
+
+    def by_role(self, role: str) -> list[ActorSlot]:
+        return [a for a in self.actors if a.role == role]
+
+    def actor(self, name: str) -> ActorSlot:
+        return next(a for a in self.actors if a.name == name)
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "num_nodes": self.num_nodes, "gpus_per_node": self.gpus_per_node,
+                "bundles": self.bundles, "learner_world_size": self.learner_world_size,
+                "weight_sync": self.weight_sync, "cpu_bundle": self.cpu_bundle, "errors": list(self.errors),
+                "actors": [{"name": a.name, "role": a.role, "node": a.node, "bundle": a.bundle, "gpus": list(a.gpus),
+                            "num_gpus": a.num_gpus, "num_cpus": a.num_cpus, "rank": a.rank} for a in self.actors]}
+
+
+def place_engines(num_engines: int, tp: int, num_nodes: int, gpus_per_node: int) -> list[tuple[int, list[int]]]:
+    """First-fit: each engine's TP group on one node. Raises ValueError when they don't fit."""
+    if tp < 1:
+        raise ValueError(f"generator.tensor_parallel_size={tp} must be >= 1")
+    if tp > gpus_per_node:
+        raise ValueError(f"generator.tensor_parallel_size={tp} exceeds cluster.gpus_per_node={gpus_per_node}: "
+                         "a TP group never crosses a node")
+    free = [gpus_per_node] * num_nodes
+    placed = []
+    for engine in range(num_engines):
+        node = next((n for n in range(num_nodes) if free[n] >= tp), None)
+        if node is None:
+            raise ValueError(f"{num_engines} engines x TP {tp} = {num_engines * tp} GPUs do not fit on "
+                             f"{num_nodes} node(s) x {gpus_per_node} GPUs (engine {engine} has no node)")
+        first = gpus_per_node - free[node]
+        placed.append((node, list(range(first, first + tp))))
+        free[node] -= tp
+    return placed
+
+
+def _cpu_side(cfg: RunConfig, bundle: int | None) -> list[ActorSlot]:
+    out = [ActorSlot("coordinator", "coordinator", 0, bundle, num_cpus=cfg.coordinator.num_cpus)]
+    out += [ActorSlot(f"scorer-{i}", "scorer", 0, bundle, num_cpus=cfg.scorer.num_cpus, rank=i)
+            for i in range(cfg.scorer.num_scorers)]
+    out.append(ActorSlot("assembler", "assembler", 0, bundle, num_cpus=cfg.assembler.num_cpus))
+    return out
+
+
+def resolve_weight_sync(cfg: RunConfig, gpu: bool) -> str:
+    """The transport the placement implies, or the one asked for when it can work (else ConfigError)."""
+    asked, mode = cfg.coordinator.weight_sync, cfg.coordinator.mode
+    implied = "object_store" if not gpu else ("cuda_ipc" if mode == "colocated" else "nccl")
+    if asked == "auto":
+        return implied
+    where = f"{mode} on {'GPUs' if gpu else 'CPU'}"
+    if asked == "cuda_ipc" and implied != "cuda_ipc":
+        raise ConfigError(f"config key 'coordinator.weight_sync': cuda_ipc needs every engine on its learner rank's "
+                          f"GPU (colocated on GPUs), but the placement is {where}; use {implied} (or auto)")
+    if asked == "nccl" and gpu and mode == "colocated":
+        raise ConfigError("config key 'coordinator.weight_sync': nccl cannot broadcast between processes sharing a "
+                          "GPU (colocated on GPUs); use cuda_ipc (or auto)")
+    return asked
+
+
+def _num_ranks(cfg: RunConfig) -> int:
+    return int(getattr(cfg.learner, "num_ranks", 1))
+
+
+def make_placement(cfg: RunConfig) -> Placement:
+    """The placement of `cfg` (see the module docstring for every rule)."""
+    cl, gen, lr = cfg.cluster, cfg.generator, cfg.learner
+    mode = cfg.coordinator.mode
+    if cl.num_nodes < 1:
+        raise ConfigError(f"config key 'cluster.num_nodes': {cl.num_nodes} must be >= 1")
+    if cl.gpus_per_node < 0:
+        raise ConfigError(f"config key 'cluster.gpus_per_node': {cl.gpus_per_node} must be >= 0")
+    weight_sync = resolve_weight_sync(cfg, cl.gpus_per_node > 0)
+    if cl.gpus_per_node == 0:
+        ranks = _num_ranks(cfg)
+        if ranks < 1:
+            raise ConfigError(f"config key 'learner.num_ranks': {ranks} must be >= 1")
+        actors = [ActorSlot(f"generator-{i}", "generator", 0, None, num_cpus=gen.num_cpus, rank=i)
+                  for i in range(gen.num_engines)]
+        actors += [ActorSlot(f"learner-{r}", "learner", 0, None, num_cpus=lr.num_cpus, rank=r) for r in range(ranks)]
+        actors += _cpu_side(cfg, None)
+        return Placement(mode, cl.num_nodes, 0, [[] for _ in range(cl.num_nodes)], actors, ranks, weight_sync)
+
+    errors: list[str] = []
+    tp = gen.tensor_parallel_size
+    try:
+        engines = place_engines(gen.num_engines, tp, cl.num_nodes, cl.gpus_per_node)
+    except ValueError as e:
+        engines, errors = [], [f"placement: {e}"]
+    covered = {(node, g) for node, gpus in engines for g in gpus}
+    all_gpus = [(node, g) for node in range(cl.num_nodes) for g in range(cl.gpus_per_node)]
+    learner_gpus = all_gpus if mode == "colocated" else [x for x in all_gpus if x not in covered]
+    if mode != "colocated" and engines and not learner_gpus:
+        errors.append(f"placement: async mode needs GPUs of its own for the learner, but {gen.num_engines} engines x "
+                      f"TP {tp} take all {len(all_gpus)} GPUs")
+    world = len(learner_gpus)
+    ranks = _num_ranks(cfg)
+    if ranks not in (1, world) and world:
+        raise ConfigError(f"config key 'learner.num_ranks': {ranks}, but the placement gives the learner {world} GPUs "
+                          f"(on GPUs the placement decides: leave it at 1 or set {world})")
+
+    bundles: list[list[dict[str, float]]] = []
+    for node in range(cl.num_nodes):
+        row = []
+        for g in range(cl.gpus_per_node):
+            cpus = (lr.num_cpus if (node, g) in learner_gpus else 0.0) + (gen.num_cpus if (node, g) in covered else 0.0)
+            row.append({"GPU": 1.0, "CPU": cpus} if cpus else {"GPU": 1.0})
+        bundles.append(row)
+    cpu_side = _cpu_side(cfg, cl.gpus_per_node)
+    bundles[0].append({"CPU": sum(a.num_cpus for a in cpu_side)})
+
+    share = 0.5 if mode == "colocated" else 1.0
+    actors = [ActorSlot(f"generator-{i}", "generator", node, gpus[0], tuple(gpus), share, gen.num_cpus, i)
+              for i, (node, gpus) in enumerate(engines)]
+    actors += [ActorSlot(f"learner-{r}", "learner", node, g, (g,), share if (node, g) in covered else 1.0,
+                         lr.num_cpus, r) for r, (node, g) in enumerate(learner_gpus)]
+    actors += cpu_side
+    return Placement(mode, cl.num_nodes, cl.gpus_per_node, bundles, actors, world, weight_sync,
+                     cpu_bundle=cl.gpus_per_node, errors=errors)
