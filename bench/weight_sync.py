@@ -158,7 +158,7 @@ def main() -> None:
         import ray
         temp_dir = tempfile.mkdtemp(prefix="ray-bench-", dir="/tmp")
         os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
-        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False,
+        ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False,
                  object_store_memory=4 * 1024**3)
     try:
         for dname in args.dtypes.split(","):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import sys
 import time
@@ -17,6 +18,7 @@ from typing import Any
 import msgspec
 
 from launch.config import ConfigError, RunConfig, check_inputs
+from tasks.bird import BirdDataError
 from launch.logs import setup_logging
 
 # Variables every actor gets, whether we started Ray or joined a cluster.
@@ -47,6 +49,20 @@ def resolve_run_dir(cfg: RunConfig) -> tuple[str, Path]:
     return run_id, root / run_id
 
 
+def check_bird_dir(cfg: RunConfig) -> None:
+    """A broken BIRD directory is a one-line ConfigError before the run directory exists and before
+    minutes of model building."""
+    if cfg.data.synthetic:
+        return
+    from tasks.bird import load_split
+
+    for split in (cfg.data.train_split, cfg.data.eval_split):
+        try:
+            load_split(cfg.data.bird_dir, split)
+        except BirdDataError as e:
+            raise ConfigError(f"config key 'data.bird_dir': {e}") from None
+
+
 def prepare_model_and_data(cfg: RunConfig, run_dir: Path, log) -> tuple[str, str]:
     """Returns (model_path, bird_dir); builds the synthetic task and the tiny model when asked."""
     bird_dir = cfg.data.bird_dir
@@ -58,11 +74,6 @@ def prepare_model_and_data(cfg: RunConfig, run_dir: Path, log) -> tuple[str, str
             log.info("building synthetic task", dir=bird_dir, databases=cfg.data.synthetic_databases,
                      questions=cfg.data.synthetic_questions)
             write_dataset(bird_dir, cfg.data.synthetic_databases, cfg.data.synthetic_questions, cfg.data.synthetic_seed)
-    else:  # a broken BIRD directory is reported before minutes of model building
-        from tasks.bird import load_split
-
-        for split in (cfg.data.train_split, cfg.data.eval_split):
-            load_split(bird_dir, split)
     model_path = cfg.model.path
     if cfg.model.source == "tiny":
         from tasks.synthetic import texts_for_tokenizer
@@ -252,7 +263,9 @@ def start_ray(cfg: RunConfig, run_dir: Path, log) -> None:
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         with ray_on_loopback(cfg.cluster.ray_loopback):
-            ray.init(num_cpus=cfg.cluster.num_cpus or None, num_gpus=cfg.cluster.gpus_per_node or None,
+            # address="local": always a new cluster of our own, never one found through
+            # /tmp/ray/ray_current_cluster (another user's or another run's; RAY_ADDRESS joins one).
+            ray.init(address="local", num_cpus=cfg.cluster.num_cpus or None, num_gpus=cfg.cluster.gpus_per_node or None,
                      include_dashboard=True, dashboard_host=cfg.cluster.dashboard_host, runtime_env=runtime_env,
                      log_to_driver=False, _temp_dir=os.environ.get("ARL_RAY_TMP") or None)
 
@@ -273,10 +286,13 @@ def sft_pairs(cfg: RunConfig, items: list, model_path: str) -> list[tuple[list[i
 
 def run(cfg: RunConfig) -> int:
     check_inputs(cfg)
+    check_bird_dir(cfg)
     preflight(cfg)
     run_id, run_dir = resolve_run_dir(cfg)
+    fresh = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.run_id = run_id
+    os.environ["ARL_RUN_DIR"] = str(run_dir)  # forwarded to every actor (ARL_*): their logs/<actor>.jsonl
     log = setup_logging(run_dir, "launcher", level=cfg.logging.level, console=cfg.logging.console)
     from queues.streams import redact
 
@@ -311,8 +327,13 @@ def run(cfg: RunConfig) -> int:
         interrupted["flag"] = True
         log.warning("interrupted: shutting down")
         return 130
-    except ConfigError as e:
-        _log_failure(run_dir, e)
+    except (ConfigError, BirdDataError) as e:
+        if fresh and not (run_dir / "metrics.jsonl").exists():
+            shutil.rmtree(run_dir, ignore_errors=True)  # bad input: leave no empty run directory behind
+        else:
+            _log_failure(run_dir, e)
+        if isinstance(e, BirdDataError):
+            raise ConfigError(f"config key 'data.bird_dir': {e}") from None
         raise
     except Exception as e:  # noqa: BLE001 - one line for the user, the traceback in the log
         _log_failure(run_dir, e)

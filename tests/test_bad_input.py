@@ -53,6 +53,7 @@ CLI_CASES = [
     ("unknown config key", ["coordinator.stepz=3"], {}, None, "coordinator.stepz"),
     ("unknown section", ["trainr.lr=1e-6"], {}, None, "trainr"),
     ("mistyped value", ["coordinator.steps=three"], {}, None, "coordinator.steps"),
+    ("simulated engine in a training run", ["generator.engine=simulated"], {}, None, "generator.engine"),
     ("bad enum value", ["coordinator.mode=sync"], {}, None, "coordinator.mode"),
     ("missing model path", ["model.source=path", "model.path={tmp}/no-such-model"], {}, None, "model.path"),
     ("BIRD dir missing", ["data.synthetic=false", "data.bird_dir={tmp}/nowhere"], {}, None, "nowhere"),
@@ -117,6 +118,8 @@ def test_cli_bad_input_is_one_line_and_exit_2(case, overrides, env, mutate, expe
     assert len(lines) == 1 and lines[0].startswith("error: "), f"{case}: expected one error line, got:\n{out}{err}"
     assert expect in lines[0], f"{case}: {lines[0]!r} does not mention {expect!r}"
     assert "not-the-password" not in out + err
+    left = [p.name for p in (tmp_path / "runs").glob("tiny-*")] if (tmp_path / "runs").exists() else []
+    assert left == [], f"{case}: a failed launch left {left} behind"
     time.sleep(0.5)
     assert _session_procs(proc.pid) == [], f"{case}: processes left behind"
     print(f"\n| {case} | `{' '.join(args) or ' '.join(f'{k}=...' for k in env)}` | {lines[0]} | {seconds:.1f} s |")

@@ -13,7 +13,7 @@ def test_export_is_a_noop_without_ray():
 
 def test_counters_become_ray_gauges():
     temp_dir = tempfile.mkdtemp(prefix="arl-ray-")  # short: Ray's socket paths must fit 107 bytes
-    ray.init(num_cpus=1, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
     try:
         ray_metrics._gauges.clear()
         ray_metrics.export("generator-0", {"generator_tokens_per_s": 12.5, "queue/rollouts length": 3})

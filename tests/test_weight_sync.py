@@ -346,7 +346,7 @@ def test_object_store_sync_between_two_ray_actors(monkeypatch):
         def state(self):
             return self.receiver.version, len(self.model.loads), self.model.params
 
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
     try:
         learner, generator = Learner.remote(), Generator.remote()
 
