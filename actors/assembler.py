@@ -19,12 +19,15 @@ import os
 import time
 from typing import Any
 
+import structlog
 import torch
 
 from launch.config import AssemblerConfig
 from policies.grpo import group_advantages
 from policies.packing import plan_micro_batches, split_minibatches
 from queues.messages import ScoredGroup, TrainBatch, TrainGroup, codec, unpack_ids
+
+log = structlog.get_logger("arctic_rl.assembler")
 
 TRAINED, FILTERED, STALE, GOLD_FAILED, FAILED = "trained", "filtered", "stale", "gold_failed", "failed"
 OUTCOMES = (TRAINED, FILTERED, STALE, GOLD_FAILED, FAILED)
@@ -102,6 +105,10 @@ class Assembler:
     def __init__(self, cfg: AssemblerConfig, *, consumer: str = "assembler-0", reclaim_idle_s: float = 30.0,
                  redis_url: str = "", run_id: str = "", high_water: int = 4096):
         self.cfg = cfg
+        if redis_url:  # the actor (the plain class in tests is built without one)
+            from launch.logs import setup_actor_logging
+
+            setup_actor_logging(consumer)
         # Given here (not only to start()) so that an instance Ray restarts after a crash can
         # connect by itself on its first call.
         self._start_args = (redis_url, run_id, high_water) if redis_url else None
@@ -110,6 +117,7 @@ class Assembler:
         self.buffer: dict[str, tuple[str, ScoredGroup]] = {}  # task_id -> (stream id, group)
         self.resolved: dict[str, str] = {}  # task_id -> outcome, for steps already assembled
         self.duplicates = 0
+        self.last_step = -1
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.scored = self.batches = None
@@ -221,6 +229,9 @@ class Assembler:
         result = {"outcomes": outcomes, "metrics": metrics, "published": published,
                   "reasons": {t: o for t, o in outcomes.items() if o != TRAINED}}
         await self._memo_put(str(step), result)
+        self.last_step = step
+        log.info("assembler.step", step=step, version=version, published=published,
+                 **{f"prompts_{o}": int(metrics[f"prompts_{o}"]) for o in OUTCOMES}, prompts=len(outcomes))
         self.resolved.update(outcomes)
         await self.scored.ack([self.buffer[t][0] for t in fresh])
         for t in fresh:
@@ -279,15 +290,14 @@ class Assembler:
         if fields:
             await self.scored._call(lambda: self.scored.redis.hdel(self.memo_key, *fields))
 
+    def __repr__(self) -> str:  # the Ray dashboard's Repr column: live state
+        g = lambda name, default=0: getattr(self, name, default)  # noqa: E731 - Ray may call it before __init__ ends
+        return (f"Assembler({g('consumer', '?')}: last step {g('last_step', -1)}, {len(g('buffer', {}))} groups "
+                f"buffered, {len(g('resolved', {}))} resolved, {g('duplicates')} duplicates ignored)")
+
     def stats(self) -> dict[str, float]:
         return {"buffered": float(len(self.buffer)), "duplicates_ignored": float(self.duplicates)}
 
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
-
-
-def ray_actor():
-    import ray
-
-    return ray.remote(Assembler)

@@ -488,6 +488,12 @@ class Coordinator:
         if result and self.log is not None:
             self.log.info("eval", step=self.step, **{k: round(v, 3) for k, v in result.items()})
 
+    def __repr__(self) -> str:  # the Ray dashboard's Repr column: live state
+        cfg = getattr(self, "cfg", None)  # also called by Ray before __init__ finished
+        steps = cfg.coordinator.steps if cfg is not None else "?"
+        return (f"Coordinator({getattr(self, 'run_id', '?')}: step {getattr(self, 'step', 0)}/{steps}, "
+                f"version {getattr(self, 'version', 0)}, {len(getattr(self, 'ledger', {}))} prompts accounted)")
+
     def stop(self) -> None:
         self._stop = True
 
@@ -505,9 +511,3 @@ def _count(values) -> dict[str, int]:
     for v in values:
         out[v] = out.get(v, 0) + 1
     return out
-
-
-def ray_actor():
-    import ray
-
-    return ray.remote(Coordinator)

@@ -15,19 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 import os
 import socket
 import time
 
 import msgspec
+import structlog
 
 from launch.config import ScorerConfig
 from policies.sql_reward import GENERATION_ERROR, GOLD_FAILED, reward_for
 from queues.messages import RolloutGroup, SchemaError, ScoredGroup, codec
 from tasks.sandbox import GoldCache, SqlPool, score_group
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger("arctic_rl.scorer")
 
 
 class Scorer:
@@ -59,8 +59,8 @@ class Scorer:
             verdicts, rewards, gold_failed = result.verdicts, result.rewards, result.gold_failed
             self.pred_queries += result.executed
             if gold_failed:
-                log.warning("gold SQL failed for prompt %s (%s): %s", group.task.prompt_id, group.task.db_path,
-                            result.gold_error)
+                log.warning("scorer.gold_failed", prompt_id=group.task.prompt_id, db_path=group.task.db_path,
+                            error=str(result.gold_error)[:300])
         seconds = time.monotonic() - start
         self.groups += 1
         self.samples += n
@@ -95,6 +95,7 @@ class ScorerLoop:
         self.reclaim_idle_ms = int(reclaim_idle_s * 1000)
         self.batch = batch
         self.undecodable = 0
+        self.inflight: dict[str, asyncio.Task] = {}
         self._stop = asyncio.Event()
 
     def stop(self) -> None:
@@ -115,7 +116,7 @@ class ScorerLoop:
                 group = decode(data)
             except (SchemaError, msgspec.DecodeError) as e:
                 self.undecodable += 1
-                log.error("dropping undecodable rollouts entry %s: %s", entry_id, e)
+                log.error("scorer.undecodable_dropped", entry_id=entry_id, error=str(e)[:300])
                 await rollouts.ack([entry_id])
                 return
             result = await self.scorer.score(group)
@@ -125,6 +126,7 @@ class ScorerLoop:
         # Up to `batch` groups in flight, refilled as each one finishes: one slow query holds one
         # slot, never the others (no head-of-line blocking behind a batch's slowest group).
         inflight: dict[str, asyncio.Task] = {}
+        self.inflight = inflight
         try:
             # Messages this consumer had taken before a restart come first.
             entries = await rollouts.pending_mine(self.consumer)
@@ -168,9 +170,21 @@ if ray is not None:
         """Ray shell around Scorer + ScorerLoop; create with .options(num_cpus=cfg.num_cpus)."""
 
         def __init__(self, cfg: dict, scorer_id: str = "", reclaim_idle_s: float = 30.0):
+            from launch.logs import setup_actor_logging
+
+            setup_actor_logging(scorer_id or "scorer")
             scorer_cfg = msgspec.convert(cfg, ScorerConfig) if isinstance(cfg, dict) else cfg
             self.scorer = Scorer(scorer_cfg, scorer_id)
             self.loop = ScorerLoop(self.scorer, consumer=self.scorer.scorer_id, reclaim_idle_s=reclaim_idle_s)
+            log.info("scorer.started", scorer_id=self.scorer.scorer_id, workers=scorer_cfg.workers,
+                     timeout_s=scorer_cfg.timeout_s, pid=os.getpid())
+
+        def __repr__(self) -> str:  # the Ray dashboard's Repr column: live state
+            s, loop = getattr(self, "scorer", None), getattr(self, "loop", None)  # Ray may ask before __init__ ends
+            if s is None or loop is None:
+                return "ScorerActor(starting)"
+            return (f"ScorerActor({s.scorer_id}: {s.groups} groups, {s.samples} samples scored, "
+                    f"{len(loop.inflight)} in flight)")
 
         async def run(self, redis_url: str, run_id: str, high_water: int = 4096) -> None:
             from launch.ray_metrics import export_periodically

@@ -142,7 +142,6 @@ class CoordinatorConfig(_Section):
     eval_every: int = 0  # 0: never
     resume: bool = False
     step_timeout_s: float = 3600.0
-    max_attempts: int = 3  # generation attempts per prompt before it is dropped as failed
     time_budget_s: float = 0.0  # stop after this many seconds of training (0: no budget)
     num_cpus: float = 0.25
 
@@ -315,6 +314,9 @@ def check_inputs(cfg: RunConfig) -> None:
     """What a real run needs beyond a valid config (not needed by --dry-run or --print-config)."""
     if cfg.model.source != "tiny" and not cfg.model.path:
         raise ConfigError("config key 'model.path': is required (a local directory or a hub id)")
+    if cfg.generator.engine == "simulated":
+        raise ConfigError("config key 'generator.engine': 'simulated' is for benchmarks only (random tokens, no "
+                          "model); a training run needs 'vllm' or 'transformers'")
     if not cfg.data.synthetic and not cfg.data.bird_dir:
         raise ConfigError("config key 'data.bird_dir': is required (the directory holding train.json / dev.json)")
     check_attention(cfg)

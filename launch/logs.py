@@ -1,11 +1,13 @@
 """structlog set up once per process: JSON lines to the run directory, key=value on the console.
 
-Every actor calls `setup_logging(run_dir, name)` on start, so its lines land in
-<run_dir>/logs/<name>.jsonl and the console shows the readable form.
+Every actor calls `setup_logging(run_dir, name)` (or `setup_actor_logging(name)`, which reads the run
+directory from $ARL_RUN_DIR, set by the launcher and forwarded to every actor) on start, so its lines
+land in <run_dir>/logs/<name>.jsonl and the console shows the readable form.
 """
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -58,3 +60,12 @@ def setup_logging(run_dir: str | Path | None = None, name: str = "launcher", *, 
 
 def get_logger(name: str) -> structlog.BoundLogger:
     return structlog.get_logger(actor=name)
+
+
+def setup_actor_logging(name: str) -> structlog.BoundLogger:
+    """An actor's JSON log at $ARL_RUN_DIR/logs/<name>.jsonl (console off: Ray's worker logs hold
+    stderr); without $ARL_RUN_DIR (tests, plain classes) a logger that writes nowhere new."""
+    run_dir = os.environ.get("ARL_RUN_DIR")
+    if not run_dir:
+        return get_logger(name)
+    return setup_logging(run_dir, name.replace(":", "_").replace("/", "_"), console=False)
