@@ -10,6 +10,10 @@ Invariants:
   that cannot be decoded is acked and counted (retrying it could never succeed).
 - Gold results are cached per (database, gold SQL); identical predictions in a group run once.
 - The scorer never sees the model: it scores the text the generator put in each Sample.
+- With a `db_root` (the run's BIRD or synthetic data directory; the actor reads $ARL_DB_ROOT, which
+  the launcher sets), a task whose `db_path` does not resolve to a file under it is never opened: every
+  sample gets "bad_db_path" and the group is excluded like a failed gold (a writer to a shared Redis
+  cannot make the scorer open an arbitrary SQLite file).
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import msgspec
 import structlog
 
 from launch.config import ScorerConfig
-from policies.sql_reward import GENERATION_ERROR, GOLD_FAILED, reward_for
+from policies.sql_reward import BAD_DB_PATH, GENERATION_ERROR, GOLD_FAILED, reward_for
 from queues.messages import RolloutGroup, SchemaError, ScoredGroup, codec
 from tasks.sandbox import GoldCache, SqlPool, score_group
 
@@ -33,8 +37,11 @@ log = structlog.get_logger("arctic_rl.scorer")
 class Scorer:
     """Plain (Ray-free) scorer: owns a SqlPool and a GoldCache."""
 
-    def __init__(self, cfg: ScorerConfig | None = None, scorer_id: str = ""):
+    def __init__(self, cfg: ScorerConfig | None = None, scorer_id: str = "", db_root: str = ""):
         self.cfg = cfg or ScorerConfig()
+        # Lexical containment (abspath + normpath: "..", absolute paths): a BIRD directory whose
+        # databases are symlinks to another disk still works.
+        self.db_root = os.path.normpath(os.path.abspath(db_root)) if db_root else ""
         self.scorer_id = scorer_id or f"scorer-{socket.gethostname()}-{os.getpid()}"
         self.pool = SqlPool(workers=self.cfg.workers, timeout_s=self.cfg.timeout_s, max_rows=self.cfg.max_rows,
                             memory_mb=self.cfg.memory_mb, temp_store_mb=self.cfg.temp_store_mb)
@@ -53,6 +60,12 @@ class Scorer:
         if group.error:
             verdicts = [GENERATION_ERROR] * n
             rewards = [reward_for(GENERATION_ERROR)] * n
+        elif not self._allowed(group.task.db_path):
+            log.warning("scorer.bad_db_path", prompt_id=group.task.prompt_id, db_path=group.task.db_path[:300],
+                        db_root=self.db_root)
+            verdicts = [BAD_DB_PATH] * n
+            rewards = [reward_for(BAD_DB_PATH)] * n
+            gold_failed = True  # excluded from training, counted as the step's gold_failed outcome
         else:
             texts = [s.text for s in group.samples]
             result = await score_group(self.pool, group.task.db_path, group.task.gold_sql, texts, self.gold_cache)
@@ -69,6 +82,12 @@ class Scorer:
         self.score_seconds += seconds
         return ScoredGroup(rollout=group, rewards=rewards, verdicts=verdicts, gold_failed=gold_failed,
                            scorer_id=self.scorer_id, score_seconds=seconds, scored_at=time.time())
+
+    def _allowed(self, db_path: str) -> bool:
+        if not self.db_root:
+            return True
+        path = os.path.normpath(os.path.abspath(db_path or "."))
+        return path.startswith(self.db_root + os.sep) and os.path.isfile(path)
 
     def stats(self) -> dict[str, float]:
         """All scalars: counts, verdict fractions, cache and pool health."""
@@ -174,7 +193,7 @@ if ray is not None:
 
             setup_actor_logging(scorer_id or "scorer")
             scorer_cfg = msgspec.convert(cfg, ScorerConfig) if isinstance(cfg, dict) else cfg
-            self.scorer = Scorer(scorer_cfg, scorer_id)
+            self.scorer = Scorer(scorer_cfg, scorer_id, db_root=os.environ.get("ARL_DB_ROOT", ""))
             self.loop = ScorerLoop(self.scorer, consumer=self.scorer.scorer_id, reclaim_idle_s=reclaim_idle_s)
             log.info("scorer.started", scorer_id=self.scorer.scorer_id, workers=scorer_cfg.workers,
                      timeout_s=scorer_cfg.timeout_s, pid=os.getpid())

@@ -306,6 +306,7 @@ def run(cfg: RunConfig) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
         model_path, bird_dir = prepare_model_and_data(cfg, run_dir, log)
+        os.environ["ARL_DB_ROOT"] = str(Path(bird_dir).resolve())  # scorers open databases under it only
         train_items, eval_items = load_prompts(cfg, model_path, bird_dir, log)
         redis_url, redis_server = start_redis(cfg, run_dir, log)
         if cfg.coordinator.resume:

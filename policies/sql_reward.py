@@ -20,8 +20,9 @@ NO_SQL = "no_sql"
 TOO_MANY_ROWS = "too_many_rows"
 GOLD_FAILED = "gold_failed"
 GENERATION_ERROR = "generation_error"
+BAD_DB_PATH = "bad_db_path"  # the task names a database outside the configured data directory
 
-VERDICTS = (MATCH, WRONG_RESULT, SQL_ERROR, TIMEOUT, NO_SQL, TOO_MANY_ROWS, GOLD_FAILED, GENERATION_ERROR)
+VERDICTS = (MATCH, WRONG_RESULT, SQL_ERROR, TIMEOUT, NO_SQL, TOO_MANY_ROWS, GOLD_FAILED, GENERATION_ERROR, BAD_DB_PATH)
 
 _REWARDS = {MATCH: 1.0, WRONG_RESULT: 0.1}
 

@@ -130,3 +130,28 @@ async def test_one_slow_group_does_not_hold_back_the_others(question, tmp_path):
             await redis.aclose()
         assert len(order) == 4
         assert order[-1] == "slow", f"fast groups waited behind the slow one: {order}"
+
+
+async def test_a_database_outside_the_data_directory_is_never_opened(question, tmp_path):
+    """A task from a shared Redis naming any other SQLite file gets "bad_db_path", is excluded like a
+    failed gold, and the file is not opened; databases under the configured root score as usual."""
+    import os
+    import sqlite3
+
+    outside = tmp_path / "secret.sqlite"
+    sqlite3.connect(outside).close()
+    before = os.stat(outside).st_atime_ns
+    root = os.path.dirname(os.path.dirname(os.path.dirname(question.db_path)))
+    s = Scorer(ScorerConfig(workers=1, timeout_s=2.0), scorer_id="root", db_root=root)
+    try:
+        ok = await s.score(_group(question, [f"```sql\n{question.sql}\n```"]))
+        assert ok.verdicts == ["match"] and not ok.gold_failed
+        for path in (str(outside), os.path.join(root, "..", "secret.sqlite"), question.db_path + ".missing"):
+            g = _group(question, ["```sql\nSELECT 1\n```"])
+            g.task.db_path = path
+            bad = await s.score(g)
+            assert bad.verdicts == ["bad_db_path"] and bad.rewards == [0.0] and bad.gold_failed, path
+        assert s.stats()["verdict/bad_db_path"] == 3
+    finally:
+        s.close()
+    assert os.stat(outside).st_atime_ns == before
