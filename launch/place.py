@@ -8,7 +8,6 @@ loses them continues with `coordinator.resume=true` from the last checkpoint.
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -87,31 +86,12 @@ def warm_start(cfg: RunConfig, learner, items: list, model_path: str, log) -> di
             "time_sft": time.perf_counter() - start}
 
 
-def _progress(run_dir: Path, seen: int, log) -> int:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return seen
-    lines = path.read_text().splitlines()
-    for line in lines[seen:]:
-        row = json.loads(line)
-        if row.get("step", 0) < 0:
-            print(f"eval  accuracy {row.get('eval_accuracy', 0):.3f}  held-out reward {row.get('eval_reward_mean', 0):.3f}",
-                  flush=True)
-            continue
-        ev = (f"  eval acc {row['eval_accuracy']:.3f} reward {row.get('eval_reward_mean', 0):.3f}"
-              if row.get("eval_accuracy") is not None else "")
-        print(f"step {row['step']:>4}  reward {row.get('reward_mean', 0):.3f}  acc {row.get('accuracy', 0):.3f}"
-              f"  len {row.get('response_len_mean', 0):5.1f}  trained {int(row.get('prompts_trained', 0)):>3}"
-              f"/{int(row.get('prompts', 0))}  {row.get('time_step', 0):5.1f}s{ev}", flush=True)
-    return len(lines)
-
-
 def place_and_run(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_path: str,
                   train_items: list, eval_items: list, log, names: str = "") -> dict[str, Any]:
     import ray
 
     from actors.coordinator import Coordinator
-    from launch.metrics import MetricsLogger
+    from launch.progress import Progress
 
     names = names or run_id
     from launch.placement import make_placement
@@ -141,17 +121,18 @@ def place_and_run(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, mo
         ray.get(coordinator.initial_sync.remote(sft))
     done = coordinator.run.remote()
     metrics = run_dir / "metrics.jsonl"  # a resumed run prints only its own rows
-    seen = len(metrics.read_text().splitlines()) if cfg.coordinator.resume and metrics.exists() else 0
+    progress = Progress(run_dir, cfg.coordinator.steps,
+                        seen=len(metrics.read_text().splitlines()) if cfg.coordinator.resume and metrics.exists() else 0)
     try:
         while True:
             ready, _ = ray.wait([done] + loops, timeout=1.0)
-            seen = _progress(run_dir, seen, log)
+            progress.print_new()
             if done in ready:
                 break
             for ref in ready:  # a stream loop that ended on its own is an error
                 ray.get(ref)
         summary = ray.get(done)
-        _progress(run_dir, seen, log)
+        progress.print_new()
         return summary
     finally:
         for actor in [*generators, *scorers]:
