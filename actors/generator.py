@@ -17,7 +17,11 @@ Invariants:
   pauses first, then releases engine memory; `wake`/`load_weights`/`finish_weight_update`
   return when the engine is done. `resume()` starts pulling again.
 
-`GeneratorActor` at the bottom is the thin Ray shell (an async actor) over the same methods.
+`GeneratorActor` at the bottom is the thin Ray shell (an async actor) over the same methods. It
+takes the node-local GPU ids of its engine's bundles (`device_ids`, from the placement) and sets
+CUDA_VISIBLE_DEVICES to exactly those before the engine is built, so an engine's tensor-parallel
+workers land on them. Weight-sync messages go to the engine as they came when its weights live in
+its own worker processes (vLLM: `loads_in_workers`), else as tensors through `load_weights`.
 """
 from __future__ import annotations
 
@@ -293,8 +297,11 @@ class GeneratorActor:
     """Async Ray actor over one Generator; run() loops while control calls are served."""
 
     def __init__(self, generator_cfg: Any, model_cfg: Any, model_path: str, *, reclaim_idle_s: float = 30.0,
-                 stream_high_water: int = 4096, colocated: bool = False):
-        from actors.engines.base import DeferredEngine, make_engine
+                 stream_high_water: int = 4096, colocated: bool = False, device_ids: list[int] | None = None):
+        from actors.engines.base import DeferredEngine, make_engine, set_visible_devices
+
+        if device_ids is not None:
+            set_visible_devices(device_ids, generator_cfg)
 
         # Restarted by Ray after a crash: the engine holds the initial weights, not the run's
         # current ones. Serve nothing until the coordinator has synced us (see health()).
@@ -370,17 +377,26 @@ class GeneratorActor:
     async def stats(self) -> dict[str, float]:
         return self.gen.stats()
 
+    async def weight_sync_ranks(self) -> int:
+        """Ranks this generator takes in the nccl group, from `rank` given to weight_sync_join on."""
+        return self.gen.engine.weight_sync_ranks()
+
     async def weight_sync_join(self, rendezvous: Any, rank: int) -> None:
-        """nccl transport: joins the learner's private group (concurrently with every other rank)."""
-        from actors import weight_sync
+        """nccl transport: joins the learner's private group (concurrently with every other rank).
+        An engine with its own workers (vLLM) joins from each worker, as ranks rank, rank+1, ..."""
+        from actors.weight_sync_broadcast import BroadcastReceiver
 
         old, self._broadcast, self._broadcast_rdv = self._broadcast, None, None
-        if old is not None:
+        if old is not None and old != "engine":
             try:
                 old.close()
             except Exception as e:  # noqa: BLE001 - a broken group; the new one replaces it anyway
                 log.warning("closing the previous weight-sync group failed: %s", _one_line(e))
-        receiver = weight_sync.BroadcastReceiver(self.gen.load_weights)
+        if self.gen.engine.loads_in_workers:
+            await self.gen.engine.join_weight_group(rendezvous, rank)
+            self._broadcast, self._broadcast_rdv = "engine", rendezvous
+            return
+        receiver = BroadcastReceiver(self.gen.load_weights)
         await asyncio.to_thread(receiver.init, rendezvous, rank)
         self._broadcast, self._broadcast_rdv = receiver, rendezvous
 
@@ -393,19 +409,22 @@ class GeneratorActor:
         if self._broadcast is None:
             raise RuntimeError("weight_sync_broadcast_receive: this generator is in no weight-sync group "
                                "(restarted?); weight_sync_join first")
-        got = await self._broadcast.receive_all(version)
+        if self._broadcast == "engine":
+            got = await self.gen.engine.receive_weight_group(version)
+        else:
+            got = await self._broadcast.receive_all(version)
         await self.gen.finish_weight_update(got)
         self._weights_loaded()
         return got
 
     async def weight_sync_receive(self, message: Any, kind: str = "object_store") -> int | None:
         """One bucket (or the closing summary) of a bucketed sync; see actors.weight_sync."""
-        from actors import weight_sync
+        in_workers = self.gen.engine.loads_in_workers
+        if getattr(self, "_receiver_kind", None) != (kind, in_workers):
+            from actors.weight_sync import make_receiver
 
-        if getattr(self, "_receiver_kind", None) != kind:
-            cls = weight_sync.ObjectStoreReceiver if kind == "object_store" else weight_sync.CudaIpcReceiver
-            self._receiver = cls(self.gen.load_weights)
-            self._receiver_kind = kind
+            self._receiver = make_receiver(kind, self.gen.load_weights, self.gen.engine if in_workers else None)
+            self._receiver_kind = (kind, in_workers)
         version = await self._receiver.receive(message)
         if version is not None:
             await self.gen.finish_weight_update(version)

@@ -217,3 +217,19 @@ async def test_deferred_engine_is_built_once_on_the_first_wake_and_keeps_the_ver
     assert len(group.samples) == 2 and group.policy_version == 7
     engine.version = 8
     assert engine.engine.version == 8 and engine.stats()["engine_built"] == 1.0
+
+
+def test_device_ids_become_cuda_visible_devices_and_bad_ones_are_named():
+    from types import SimpleNamespace
+
+    from actors.engines.base import set_visible_devices
+
+    env: dict[str, str] = {}
+    assert set_visible_devices([3, 1], SimpleNamespace(tensor_parallel_size=2), env) == "3,1"
+    assert env["CUDA_VISIBLE_DEVICES"] == "3,1"  # the placement's order: TP rank 0 on GPU 3
+    for bad, match in (([], "non-empty list"), ([0, 0], "lists a GPU twice"), ([-1], "non-negative"),
+                       ([True], "non-negative"), ("0", "non-empty list")):
+        with pytest.raises(ValueError, match=f"device_ids.*{match}|{match}"):
+            set_visible_devices(bad, None, {})
+    with pytest.raises(ValueError, match="has 1 GPU\\(s\\), generator.tensor_parallel_size is 2"):
+        set_visible_devices([0], SimpleNamespace(tensor_parallel_size=2), {})

@@ -31,6 +31,8 @@ def test_every_vllm_symbol_and_parameter_the_adapter_uses_exists_in_installed_vl
             continue
         if dataclasses.is_dataclass(obj):
             names = {f.name for f in dataclasses.fields(obj)}
+        elif hasattr(obj, "__required_keys__"):  # a TypedDict (TokensPrompt) has no signature
+            names = set(obj.__required_keys__) | set(obj.__optional_keys__)
         else:
             sig = inspect.signature(obj)
             if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()) and path.endswith("SamplingParams"):
@@ -83,8 +85,8 @@ def test_engine_kwargs_are_deep_converted_and_passed_through_with_a_stand_in_fie
     assert cc == {"level": 3, "cudagraph_capture_sizes": [1, 2, 4], "pass_config": {"fuse_allreduce_rms": False}}
     assert args["max_num_batched_tokens"] == 40960
     assert args["enable_sleep_mode"] is True and args["logprobs_mode"] == "processed_logprobs"
-    assert args["worker_extension_cls"] == "actors.engines.vllm_engine.WeightLoaderExtension"
-    assert resolve_symbol(args["worker_extension_cls"]).arl_load_weights
+    assert args["worker_extension_cls"] == "actors.engines.vllm_worker.WeightLoaderExtension"
+    assert resolve_symbol(args["worker_extension_cls"]).arl_load_ipc
 
 
 def test_unknown_engine_kwargs_are_refused_by_name_with_a_stand_in_field_list():
@@ -124,3 +126,39 @@ def test_fake_vllm_completion_output_becomes_a_sample_with_the_sampled_tokens_lo
     broken.logprobs = broken.logprobs[:1]
     with pytest.raises(ValueError, match="1 log-probs for 2 tokens"):
         sample_from_completion(broken)
+
+
+def test_typed_dict_keys_are_read_from_required_and_optional_keys():
+    """What the signature test does for vLLM's TokensPrompt, checked on a TypedDict of our own."""
+    from typing import NotRequired, TypedDict
+
+    class PromptLike(TypedDict):
+        prompt_token_ids: list[int]
+        cache_salt: NotRequired[str]
+
+    assert set(PromptLike.__required_keys__) | set(PromptLike.__optional_keys__) == {"prompt_token_ids", "cache_salt"}
+    with pytest.raises((TypeError, ValueError)):
+        inspect.signature(PromptLike)  # why the test reads the keys instead
+
+
+def test_every_worker_method_the_engine_calls_exists_on_the_extension_and_no_tensor_crosses_the_rpc():
+    from actors.engines.vllm_worker import WeightLoaderExtension
+
+    called = set(re.findall(r'self\._rpc\("(\w+)"', SOURCE))
+    assert {"arl_load_ipc", "arl_load_flat", "arl_join_group", "arl_receive_group", "arl_finish"} <= called
+    assert all(callable(getattr(WeightLoaderExtension, m, None)) for m in called), called
+    assert "collective_rpc(method=method" in SOURCE and SOURCE.count("collective_rpc(") == 1  # only through _rpc
+
+
+def test_flashinfer_sampler_is_turned_off_only_when_flashinfer_is_missing(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flashinfer" else real(name, *a))
+    env: dict[str, str] = {}
+    assert vllm_engine.ensure_sampler_env(env) and env == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    user = {"VLLM_USE_FLASHINFER_SAMPLER": "1"}
+    assert not vllm_engine.ensure_sampler_env(user) and user["VLLM_USE_FLASHINFER_SAMPLER"] == "1"  # the user's choice
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    env = {}
+    assert not vllm_engine.ensure_sampler_env(env) and env == {}

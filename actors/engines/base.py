@@ -12,6 +12,10 @@ Invariants:
   copies tensors; `finish_weight_update(version)` ends the update and is the ONE call that
   sets the engine's policy version. A group is stamped with the version current when its
   request started.
+- Transports: an engine whose weights live in other processes (vLLM's workers) has
+  `loads_in_workers = True` and opens transport messages there itself (`load_ipc_bucket`,
+  `load_flat_bucket`, `join_weight_group` / `receive_weight_group`); the generator then hands it
+  the message instead of tensors. Every other engine takes tensors through `load_weights`.
 - A task the engine cannot run (empty prompt, prompt too long for the model, n < 1, bad
   override) raises `TaskError` with a one-line message; the generator turns it into an error
   group and keeps serving.
@@ -104,6 +108,25 @@ class Engine(abc.ABC):
     """One inference engine. Plain class: no Ray, no Redis."""
 
     version: int = 0
+    loads_in_workers: bool = False  # True: the transport messages below are opened in the engine's workers
+
+    async def load_ipc_bucket(self, message: Any) -> None:
+        """CUDA IPC: one merged bucket (plan + handles by device uuid), opened by each worker on its GPU."""
+        raise NotImplementedError(f"{type(self).__name__} takes tensors through load_weights")
+
+    async def load_flat_bucket(self, plan: Any, buffers: dict[str, Any]) -> None:
+        """Object store: one checked plan and its raw uint8 buffers, rebuilt in the workers."""
+        raise NotImplementedError(f"{type(self).__name__} takes tensors through load_weights")
+
+    def weight_sync_ranks(self) -> int:
+        """Ranks this engine takes in a broadcast weight-sync group (one per worker process)."""
+        return 1
+
+    async def join_weight_group(self, rendezvous: Any, first_rank: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__}'s generator joins the group itself")
+
+    async def receive_weight_group(self, version: int) -> int:
+        raise NotImplementedError(f"{type(self).__name__}'s generator joins the group itself")
 
     @abc.abstractmethod
     async def generate(self, task: PromptTask) -> RolloutGroup:
@@ -199,6 +222,30 @@ class DeferredEngine(Engine):
             raise EngineAsleep("finish_weight_update on an engine not built yet: wake(['weights']) first")
         await self.engine.finish_weight_update(version)
 
+    @property
+    def loads_in_workers(self) -> bool:  # type: ignore[override]
+        return self.engine is not None and self.engine.loads_in_workers
+
+    def _built(self, what: str) -> Engine:
+        if self.engine is None:
+            raise EngineAsleep(f"{what} on an engine not built yet: wake(['weights']) first")
+        return self.engine
+
+    async def load_ipc_bucket(self, message: Any) -> None:
+        await self._built("load_ipc_bucket").load_ipc_bucket(message)
+
+    async def load_flat_bucket(self, plan: Any, buffers: dict[str, Any]) -> None:
+        await self._built("load_flat_bucket").load_flat_bucket(plan, buffers)
+
+    def weight_sync_ranks(self) -> int:
+        return self.engine.weight_sync_ranks() if self.engine is not None else 1
+
+    async def join_weight_group(self, rendezvous: Any, first_rank: int) -> None:
+        await self._built("join_weight_group").join_weight_group(rendezvous, first_rank)
+
+    async def receive_weight_group(self, version: int) -> int:
+        return await self._built("receive_weight_group").receive_weight_group(version)
+
     def abort(self) -> None:
         if self.engine is not None:
             self.engine.abort()
@@ -237,3 +284,25 @@ def make_engine(generator_cfg: Any, model_cfg: Any, model_path: str) -> Engine:
 
         return SimulatedEngine(generator_cfg, model_cfg, model_path)
     raise ValueError(f"generator.engine must be 'vllm', 'transformers' or 'simulated', got {kind!r}")
+
+
+def set_visible_devices(device_ids: Any, generator_cfg: Any = None, environ: dict | None = None) -> str:
+    """CUDA_VISIBLE_DEVICES = the engine's node-local GPU ids (the placement's, as Ray reports them);
+    call before anything initialises CUDA in this process. One-line ValueError naming `device_ids`."""
+    import os
+
+    env = os.environ if environ is None else environ
+    if not isinstance(device_ids, (list, tuple)) or not device_ids:
+        raise ValueError(f"generator device_ids must be a non-empty list of GPU ids, got {device_ids!r}")
+    ok = all((isinstance(d, int) and not isinstance(d, bool) and d >= 0) or (isinstance(d, str) and d.isdigit())
+             for d in device_ids)
+    if not ok:
+        raise ValueError(f"generator device_ids must be non-negative GPU ids, got {device_ids!r}")
+    ids = [int(d) for d in device_ids]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"generator device_ids lists a GPU twice: {ids}")
+    tp = getattr(generator_cfg, "tensor_parallel_size", None)
+    if tp is not None and int(tp) != len(ids):
+        raise ValueError(f"generator device_ids has {len(ids)} GPU(s), generator.tensor_parallel_size is {tp}")
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in ids)
+    return env["CUDA_VISIBLE_DEVICES"]

@@ -1,4 +1,4 @@
-"""VLLMEngine: the engine interface over vLLM's v1 AsyncLLM (written against vLLM 0.27-0.32).
+"""VLLMEngine: the engine interface over vLLM's v1 AsyncLLM (vLLM 0.26 on torch 2.11, 0.27-0.32 on 2.13).
 
 Invariants:
 - One `generate(task)` is one vLLM request: SamplingParams(n=..., logprobs=0) over the prompt's
@@ -10,9 +10,17 @@ Invariants:
   does not do; the PPO ratio is then not exactly 1 at the first update. A warning says so.
 - Sleep mode is always on (enable_sleep_mode=True): sleep(1|2) / wake(tags) map to vLLM's
   sleep / wake_up; the prefix cache is reset after every weight update.
-- Weights: `load_weights(bucket, version)` sends the bucket through collective_rpc to
-  `WeightLoaderExtension.arl_load_weights` on EVERY worker (tensor-parallel ranks included),
-  which calls model_runner.model.load_weights; `finish_weight_update(version)` sets the version.
+- Weights reach EVERY worker (tensor-parallel ranks included) through the worker extension
+  (actors/engines/vllm_worker.py), never as tensors through collective_rpc (its msgpack turns a
+  tensor into a list): CUDA IPC handles as pickled bytes, opened by each worker on its own GPU
+  (`load_ipc_bucket`); a broadcast group each worker joins itself (`join_weight_group` /
+  `receive_weight_group`); or the plan plus raw bytes per dtype (`load_flat_bucket`, and
+  `load_weights`, which flattens its tensors first). Every worker must report the bucket's tensor
+  count, else the load is an error. `finish_weight_update(version)` empties the workers' allocator
+  caches, resets the prefix cache and only then sets the version.
+- Without flashinfer, vLLM 0.26's default sampler fails at start-up: the engine sets
+  VLLM_USE_FLASHINFER_SAMPLER=0 itself when flashinfer is not importable (and logs it once), unless
+  the user set the variable.
 - The user's `engine_kwargs` are deep-converted to plain dicts/lists and passed through;
   a key that is not an AsyncEngineArgs field is an error naming it, never silently dropped.
 - vLLM is imported lazily; `VLLM_API` below lists every vLLM symbol and parameter this file
@@ -23,8 +31,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib
+import importlib.util
 import itertools
 import logging
+import os
 import time
 from typing import Any, Iterable, Mapping
 
@@ -47,7 +57,7 @@ VLLM_API: list[tuple[str, tuple[str, ...]]] = [
     ("vllm.v1.engine.async_llm.AsyncLLM.abort", ("request_id",)),
     ("vllm.v1.engine.async_llm.AsyncLLM.sleep", ("level",)),
     ("vllm.v1.engine.async_llm.AsyncLLM.wake_up", ("tags",)),
-    ("vllm.v1.engine.async_llm.AsyncLLM.collective_rpc", ("method", "args")),
+    ("vllm.v1.engine.async_llm.AsyncLLM.collective_rpc", ("method", "timeout", "args")),
     ("vllm.v1.engine.async_llm.AsyncLLM.reset_prefix_cache", ()),
     ("vllm.v1.engine.async_llm.AsyncLLM.shutdown", ()),
 ]
@@ -101,7 +111,7 @@ def build_engine_args(generator_cfg: Any, model_cfg: Any, model_path: str, known
         "enable_sleep_mode": True,
         "seed": generator_cfg.seed,
         "trust_remote_code": model_cfg.trust_remote_code,
-        "worker_extension_cls": f"{__name__}.WeightLoaderExtension",
+        "worker_extension_cls": "actors.engines.vllm_worker.WeightLoaderExtension",
         "logprobs_mode": "processed_logprobs",
     }
     user = plain(generator_cfg.engine_kwargs or {})
@@ -136,21 +146,39 @@ def sample_from_completion(completion: Any) -> Sample:
     return Sample(tokens=pack_ids(tokens), logprobs=pack_floats(lps), finish_reason=reason, text=completion.text)
 
 
-class WeightLoaderExtension:
-    """Mixed into every vLLM worker (worker_extension_cls): receives one bucket of
-    (name, tensor) pairs by collective_rpc and loads them into this worker's shard."""
+_FLASHINFER_LOGGED = False
 
-    def arl_load_weights(self, named_tensors: list[tuple[str, Any]]) -> int:
-        device = self.device if hasattr(self, "device") else None
-        weights = [(n, t.to(device) if device is not None else t) for n, t in named_tensors]
-        self.model_runner.model.load_weights(weights=weights)
-        return len(weights)
+
+def ensure_sampler_env(environ: dict | None = None) -> bool:
+    """Sets VLLM_USE_FLASHINFER_SAMPLER=0 when flashinfer is not importable and the user did not
+    set it (vLLM 0.26's default sampler imports flashinfer unguarded). Returns whether it set it."""
+    global _FLASHINFER_LOGGED
+    env = os.environ if environ is None else environ
+    if "VLLM_USE_FLASHINFER_SAMPLER" in env or importlib.util.find_spec("flashinfer") is not None:
+        return False
+    env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+    if not _FLASHINFER_LOGGED:
+        _FLASHINFER_LOGGED = True
+        log.warning("flashinfer is not importable: VLLM_USE_FLASHINFER_SAMPLER=0 (vLLM's PyTorch sampler)")
+    return True
+
+
+def _raw(buffer: Any) -> bytes:
+    """A flat uint8 buffer (numpy array, CPU tensor or bytes) as bytes msgpack carries."""
+    if isinstance(buffer, bytes):
+        return buffer
+    if hasattr(buffer, "numpy"):
+        buffer = buffer.numpy()
+    return memoryview(buffer).cast("B").tobytes()
 
 
 class VLLMEngine(Engine):
+    loads_in_workers = True
+
     def __init__(self, generator_cfg: Any, model_cfg: Any, model_path: str):
         self.cfg = generator_cfg
         self.version = 0
+        ensure_sampler_env()
         args = build_engine_args(generator_cfg, model_cfg, model_path, engine_arg_fields())
         AsyncEngineArgs = _sym("vllm.AsyncEngineArgs")
         self.llm = _sym("vllm.v1.engine.async_llm.AsyncLLM.from_engine_args")(AsyncEngineArgs(**args))
@@ -163,6 +191,8 @@ class VLLMEngine(Engine):
         self._ids = itertools.count()
         self._inflight: set[str] = set()
         self._m = {"requests": 0, "tokens": 0, "busy_s": 0.0}
+        self._load_s = 0.0
+        self.worker_memory: list[dict[str, float]] = []  # each worker's, after the last weight update
 
     async def generate(self, task: PromptTask) -> RolloutGroup:
         s = resolve_sampling(self.cfg, task)
@@ -197,11 +227,56 @@ class VLLMEngine(Engine):
     async def wake(self, tags: list[str] | None = None) -> None:
         await self.llm.wake_up(tags=check_wake_tags(tags))
 
+    # -- weight updates: every one runs in vLLM's workers (actors/engines/vllm_worker.py) ----------
+
+    async def _rpc(self, method: str, *args: Any, expect: int | None = None, timeout: float | None = 600.0) -> list:
+        started = time.perf_counter()
+        results = await self.llm.collective_rpc(method=method, timeout=timeout, args=args)
+        self._load_s += time.perf_counter() - started
+        if expect is not None and any(r != expect for r in results):
+            raise RuntimeError(f"vLLM {method}: workers loaded {results} tensors, the bucket has {expect}")
+        return results
+
     async def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
-        bucket = [(n, t.detach().cpu() if hasattr(t, "detach") else t) for n, t in named_tensors]
-        await self.llm.collective_rpc(method="arl_load_weights", args=(bucket,))
+        """Plain bytes: the bucket flattened on the CPU, its plan, one raw buffer per dtype."""
+        from actors.weight_sync_wire import flatten_bucket
+
+        named = [(n, t.detach().cpu()) for n, t in named_tensors]
+        plan, buffers = flatten_bucket(named, int(version), 0, device="cpu")
+        del named
+        await self.load_flat_bucket(plan, buffers)
+
+    async def load_flat_bucket(self, plan: Any, buffers: dict[str, Any]) -> None:
+        from actors.weight_sync_wire import encode_message
+
+        raw = {d: _raw(b) for d, b in buffers.items()}
+        await self._rpc("arl_load_flat", encode_message(plan), raw, expect=len(plan.tensors))
+
+    async def load_ipc_bucket(self, message: Any) -> None:
+        """CUDA IPC: each worker opens the handle of its own GPU (the learner rank beside it)."""
+        from actors.weight_sync_ipc import ipc_message_to_bytes
+        from actors.weight_sync_wire import decode_message
+
+        count = len(decode_message(message.plan).tensors)
+        await self._rpc("arl_load_ipc", ipc_message_to_bytes(message), expect=count)
+
+    def weight_sync_ranks(self) -> int:
+        """How many ranks this engine takes in a broadcast group: one per worker."""
+        return int(self.cfg.tensor_parallel_size)
+
+    async def join_weight_group(self, rendezvous: Any, first_rank: int) -> None:
+        rdv = dataclasses.asdict(rendezvous) if dataclasses.is_dataclass(rendezvous) else dict(rendezvous)
+        self._group_timeout_s = float(rdv["timeout_s"]) + 30  # the group's own waits end first
+        await self._rpc("arl_join_group", rdv, int(first_rank), timeout=self._group_timeout_s)
+
+    async def receive_weight_group(self, version: int) -> int:
+        got = await self._rpc("arl_receive_group", int(version), timeout=getattr(self, "_group_timeout_s", 630.0))
+        if any(g != version for g in got):
+            raise RuntimeError(f"vLLM arl_receive_group: workers finished versions {got}, expected {version}")
+        return int(version)
 
     async def finish_weight_update(self, version: int) -> None:
+        self.worker_memory = await self._rpc("arl_finish")  # the loads' temporaries back to the device
         await self.llm.reset_prefix_cache()  # cached prefixes hold the old weights' KV
         self.version = int(version)
 
@@ -214,7 +289,7 @@ class VLLMEngine(Engine):
         m = self._m
         return {"engine_requests": float(m["requests"]), "engine_tokens_generated": float(m["tokens"]),
                 "engine_inflight_requests": float(len(self._inflight)), "policy_version": float(self.version),
-                "simulated": 0.0}
+                "engine_weight_load_s": float(self._load_s), "simulated": 0.0}
 
     async def close(self) -> None:
         self.llm.shutdown()
