@@ -1,6 +1,6 @@
 """The overlap claim: how much SQL scoring is left exposed after generation, batch vs streaming.
 
-    .venv/bin/python bench/overlap.py [--prompts 16] [--samples 16] [--workers 2] [--scale 100]
+    .venv/bin/python bench/overlap.py [--prompts 16] [--samples 16] [--workers 2] [--scale 100] [--slow-query-s 0]
 
 What runs (all in this process, on one asyncio loop, except the SQL workers and Redis):
   coordinator role  this script publishes one step's PromptTasks to the real "prompts" stream
@@ -21,6 +21,9 @@ The SQL is a deliberately expensive self-join on a synthetic BIRD-layout databas
 limit K and a date literal D); its 16 samples are: the gold query 3 times (2 deduped), 12
 variants with another date literal (distinct SQL, distinct results: "wrong_result") and one
 answer without SQL. Every query the pool runs is timed (ExecResult.seconds) and reported.
+With --slow-query-s S > 0, one sample of the step's first prompt is an endless query (a recursive
+CTE that never ends) and the scorer's per-query timeout is S: that one query holds a pool worker for S
+seconds, as a hostile or runaway model query does (the head-of-line case of issue 17).
 
 The same step (same prompts, same engine seed, so the same response lengths) runs twice:
   batch     the seed's order: generate every prompt first (wait until every group is on the
@@ -64,6 +67,7 @@ from tasks.synthetic import DOMAINS, write_dataset  # noqa: E402
 MODES = ("batch", "stream")
 MONTHS = [f"{y:04d}-{m:02d}-01" for y in range(2019, 2025) for m in range(1, 13)]
 GOLD_COPIES, WRONG_VARIANTS, NO_SQL = 3, 12, 1  # per group of 16; scaled for other group sizes
+ENDLESS_SQL = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT COUNT(*) FROM c"
 
 
 @dataclass
@@ -78,6 +82,7 @@ class OverlapSettings:
     mean_response_tokens: float = 1200.0
     max_tokens: int = 8192
     seed: int = 0
+    slow_query_s: float = 0.0  # > 0: one endless query in the step, cut by a scorer timeout of this many s
 
 
 @dataclass
@@ -138,6 +143,9 @@ def build_prompts(dataset_dir, settings: OverlapSettings) -> list[BenchPrompt]:
         preds = [gold] * gold_copies + [expensive_query(domain, row_limit, m) for m in others] + [None] * no_sql
         rng.shuffle(preds)
         prompts.append(BenchPrompt(str(q.question_id), q.db_id, q.db_path, gold, preds))
+    if settings.slow_query_s > 0:  # one endless query in the step, in its first prompt
+        first = prompts[0].predictions
+        first[next(i for i, p in enumerate(first) if p is not None and p != prompts[0].gold_sql)] = ENDLESS_SQL
     return prompts
 
 
@@ -186,7 +194,7 @@ async def run_mode(mode: str, redis_url: str, prompts: list[BenchPrompt], settin
         {p.prompt_id: p.predictions for p in prompts}, gen_cfg, mean_response_tokens=settings.mean_response_tokens,
         tick_s=settings.tick_s, per_seq_s=settings.per_seq_s, seed=settings.seed)
     generator = Generator(engine, gen_cfg)
-    scorer = Scorer(ScorerConfig(workers=settings.workers, timeout_s=30.0))
+    scorer = Scorer(ScorerConfig(workers=settings.workers, timeout_s=settings.slow_query_s or 30.0))
     query_seconds: list[float] = []
     # Start and warm every worker (process start, imports, the database connections) before the clock.
     scorer.pool.run_many([(p.db_path, "SELECT 1") for p in prompts[: settings.workers * 4]])
@@ -268,7 +276,8 @@ def format_table(out: dict) -> str:
     lines = [
         f"{s['prompts']} prompts x {s['samples']} samples, SqlPool workers={s['workers']}, synthetic scale={s['scale']}, "
         f"simulated decode: tick {s['tick_s'] * 1000:g} ms + {s['per_seq_s'] * 1e6:g} us/live seq, "
-        f"mean {s['mean_response_tokens']:g} tokens (lognormal, sigma 0.6), max_tokens {s['max_tokens']}",
+        f"mean {s['mean_response_tokens']:g} tokens (lognormal, sigma 0.6), max_tokens {s['max_tokens']}"
+        + (f", one endless query cut at {s['slow_query_s']:g} s" if s.get("slow_query_s") else ""),
         "",
         "| mode | step s | generation s | exposed scoring s | exposed / step | queries run (gold + pred) "
         "| query s median [min-max] | deduped |",

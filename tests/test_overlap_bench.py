@@ -31,3 +31,13 @@ def test_overlap_benchmark_tiny_simulated_engine(tmp_path):
         assert 0 < r.generation_s <= r.step_s and r.exposed_scoring_s >= 0
         assert len(r.query_seconds) == 3 + 3 * 13  # every query the pool ran after warm-up, timed
     assert "per-prompt streaming" in overlap.format_table(out)
+
+
+def test_overlap_benchmark_one_endless_query_times_out_once(tmp_path):
+    """--slow-query-s: one sample of the step runs an endless query, cut by the scorer's timeout."""
+    overlap = _load_overlap_module()
+    settings = overlap.OverlapSettings(prompts=3, samples=8, workers=2, scale=2, tick_s=0.0005, per_seq_s=0.0,
+                                       mean_response_tokens=200.0, max_tokens=1000, slow_query_s=1.0)
+    r = asyncio.run(overlap.run_overlap(settings, str(tmp_path), modes=("stream",)))["results"]["stream"]
+    assert r.verdicts.get("timeout") == 1 and r.published
+    assert max(r.query_seconds) >= 1.0
