@@ -112,6 +112,9 @@ class ModeResult:
     outcomes: dict = field(default_factory=dict)
     assembler_duplicates: float = 0.0
     published: bool = False
+    # group published -> scored, for every group but the one holding the endless query (if any):
+    # what head-of-line blocking inflates (the groups that queue behind a slow one)
+    other_groups_latency_s: list = field(default_factory=list)
 
 
 def expensive_query(domain: dict, row_limit: int, date_literal: str) -> str:
@@ -254,7 +257,9 @@ async def run_mode(mode: str, redis_url: str, prompts: list[BenchPrompt], settin
         deduped_frac=1 - scorer.pred_queries / with_sql if with_sql else 0.0, query_seconds=query_seconds,
         verdicts=dict(scorer.verdicts), outcomes={o: sum(v == o for v in report["outcomes"].values())
                                                   for o in set(report["outcomes"].values())},
-        assembler_duplicates=report["metrics"]["duplicates_ignored"], published=report["published"])
+        assembler_duplicates=report["metrics"]["duplicates_ignored"], published=report["published"],
+        other_groups_latency_s=[g.scored_at - g.rollout.published_at for g in scored_groups
+                                if not (settings.slow_query_s > 0 and g.rollout.task.prompt_id == prompts[0].prompt_id)])
 
 
 async def run_overlap(settings: OverlapSettings, work_dir: str, modes=MODES) -> dict:
@@ -280,16 +285,18 @@ def format_table(out: dict) -> str:
         + (f", one endless query cut at {s['slow_query_s']:g} s" if s.get("slow_query_s") else ""),
         "",
         "| mode | step s | generation s | exposed scoring s | exposed / step | queries run (gold + pred) "
-        "| query s median [min-max] | deduped |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| query s median [min-max] | deduped | other groups' scoring latency s median / max |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for mode, r in out["results"].items():
         q = r.query_seconds
         q_text = f"{statistics.median(q):.2f} [{min(q):.2f}-{max(q):.2f}]" if q else "-"
+        w = r.other_groups_latency_s
+        lat = f"{statistics.median(w):.2f} / {max(w):.2f}" if w else "-"
         lines.append(
             f"| {'batch then score' if mode == 'batch' else 'per-prompt streaming'} | {r.step_s:.1f} | "
             f"{r.generation_s:.1f} | {r.exposed_scoring_s:.2f} | {100 * r.exposed_frac:.1f} % | "
-            f"{r.gold_queries_run} + {r.pred_queries_run} | {q_text} | {100 * r.deduped_frac:.0f} % |")
+            f"{r.gold_queries_run} + {r.pred_queries_run} | {q_text} | {100 * r.deduped_frac:.0f} % | {lat} |")
     if set(MODES) <= set(out["results"]):
         b, st = out["results"]["batch"], out["results"]["stream"]
         lines += ["", f"streaming / batch step time: {st.step_s / b.step_s:.2f} "

@@ -41,3 +41,4 @@ def test_overlap_benchmark_one_endless_query_times_out_once(tmp_path):
     r = asyncio.run(overlap.run_overlap(settings, str(tmp_path), modes=("stream",)))["results"]["stream"]
     assert r.verdicts.get("timeout") == 1 and r.published
     assert max(r.query_seconds) >= 1.0
+    assert len(r.other_groups_latency_s) == 2 and min(r.other_groups_latency_s) >= 0
