@@ -1,7 +1,8 @@
 """Named recipes: each a function returning a complete RunConfig.
 
 `tiny` runs anywhere on CPU with nothing downloaded. `bird_1p7b` and `bird_32b` are the GPU
-recipes; the user passes `model.path=` and `data.bird_dir=`.
+recipes; the user passes `model.path=` and `data.bird_dir=`. `gpu1_0p6b` is the one-GPU recipe: the
+synthetic task and a Qwen3-0.6B-shaped model built on the spot, nothing downloaded.
 """
 from __future__ import annotations
 
@@ -81,6 +82,31 @@ def bird_32b() -> RunConfig:
     cfg.cluster = ClusterConfig(num_nodes=4, gpus_per_node=8, gpu_memory_gib=80.0)
     return cfg
 
+
+@recipe
+def gpu1_0p6b() -> RunConfig:
+    """One GPU, colocated: vLLM + the DeepSpeed learner (one rank, ZeRO-0, use_liger) + the scorer on
+    the synthetic SQL task, a Qwen3-0.6B-shaped model built on the spot (hidden 1024, 28 layers, 16/8
+    heads, FFN 3072; the task's own tokenizer), sleep/wake and a CUDA-IPC weight sync every step."""
+    cfg = tiny()
+    cfg.name = "gpu1_0p6b"
+    cfg.data.eval_size, cfg.data.eval_samples = 0, 0
+    cfg.model = ModelConfig(source="tiny", dtype="bfloat16", attn_implementation="sdpa", tiny_hidden_size=1024,
+                            tiny_layers=28, tiny_heads=16, tiny_kv_heads=8, tiny_intermediate_size=3072,
+                            tiny_vocab_size=640, tiny_sft_steps=30, tiny_sft_lr=2e-4)
+    cfg.generator = GeneratorConfig(engine="vllm", n_samples=8, temperature=1.0, max_tokens=48,
+                                    gpu_memory_utilization=0.3, enforce_eager=True, sleep_level=2,
+                                    max_inflight_prompts=64, num_cpus=1.0)
+    cfg.scorer = ScorerConfig(workers=4, timeout_s=5.0, memory_mb=1024, num_cpus=0.5)
+    cfg.assembler = AssemblerConfig(micro_batch_tokens=16_384, filter_zero_variance=False, num_cpus=0.25)
+    cfg.learner = LearnerConfig(zero_stage=0, dtype="bfloat16", lr=1e-5, betas=[0.9, 0.99], grad_clip=1.0,
+                                update_epochs=1, clip_low=0.2, clip_high=0.28, use_liger=True,
+                                gradient_checkpointing=True, offload_optimizer=True, device="cuda", num_gpus=1.0,
+                                num_cpus=1.0)
+    cfg.coordinator = CoordinatorConfig(mode="colocated", steps=8, prompts_per_step=16, eval_every=0,
+                                        checkpoint_every=0, weight_sync="cuda_ipc", num_cpus=0.25)
+    cfg.cluster = ClusterConfig(num_nodes=1, gpus_per_node=1, gpu_memory_gib=141.0, num_cpus=8)
+    return cfg
 
 def get_recipe(name: str) -> RunConfig:
     from launch.config import ConfigError

@@ -105,6 +105,10 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     pg_per_token = torch.maximum(pg_unclipped, pg_clipped)
 
     metrics: dict[str, float] = {}
+    if gen_logprobs is not None:
+        # Sampler/learner mismatch: k3 estimate of KL(sampler || learner's old policy) over the sampled tokens.
+        d = (old_logprobs - gen_logprobs).detach()
+        metrics["mismatch_kl"] = _masked_mean(torch.exp(d) - 1.0 - d, mask)
     if gen_logprobs is not None and tis_cap > 0:
         tis_weight = torch.exp(old_logprobs - gen_logprobs).clamp(max=tis_cap).detach()
         pg_per_token = pg_per_token * tis_weight

@@ -156,3 +156,14 @@ def test_truncated_importance_weight_is_detached_and_capped():
     assert m["tis_weight_mean"] == pytest.approx(sum(w) / 3, rel=1e-6)
     assert lp.grad.tolist() == pytest.approx([-x / 3 for x in w], rel=1e-6)
     assert gen.grad is None
+
+
+def test_mismatch_kl_is_the_k3_estimate_between_sampler_and_old_logprobs_over_completion_tokens():
+    old = torch.tensor([-1.0, -2.0, -0.5, -3.0])
+    gen = torch.tensor([-1.2, -2.0, -0.4, 9.0])  # the last position is masked out (a prompt token)
+    mask = torch.tensor([1, 1, 1, 0])
+    _, m = policy_loss(old.clone(), old, torch.ones(4), mask, gen_logprobs=gen)
+    d = (old - gen)[:3]
+    assert m["mismatch_kl"] == pytest.approx(float((torch.exp(d) - 1 - d).mean()), rel=1e-6) and m["mismatch_kl"] > 0
+    _, same = policy_loss(old.clone(), old, torch.ones(4), mask, gen_logprobs=old.clone())
+    assert same["mismatch_kl"] == 0.0
