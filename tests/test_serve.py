@@ -1,0 +1,239 @@
+"""launch.serve for real: a local Ray, Ray Serve's HTTP proxy, the tiny export, SQLite, an HTTP client.
+
+One Serve application serves every test here (module fixture): concurrent requests are batched
+(the test counts engine batches < requests), SQL runs read-only, each bad input is a 4xx with a
+one-line reason, the proxy listens on loopback only, and the page loads.
+"""
+import concurrent.futures
+import hashlib
+import os
+import shutil
+import socket
+import tempfile
+
+import pytest
+
+from tests.tiny_export import build
+
+httpx = pytest.importorskip("httpx")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    from launch.serve import ServeOptions, start
+
+    model, bird = build(tmp_path_factory.mktemp("serve"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    old_pp = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = root + os.pathsep + (old_pp or "")
+    temp_dir = tempfile.mkdtemp(prefix="ray-serve-test-", dir="/tmp")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+    try:
+        opts = ServeOptions(model=str(model), bird_dir=str(bird), engine="transformers", device="cpu",
+                            max_batch_size=8, batch_wait_s=0.2, sql_timeout_s=5.0, sql_workers=1)
+        url = start(opts, "127.0.0.1", free_port(), replicas=1, actor_options={"num_cpus": 1}, timeout_s=300)
+        with httpx.Client(base_url=url, timeout=60) as client:
+            yield client, model, bird
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        if old_pp is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old_pp
+
+
+def test_health_databases_and_page(service):
+    client, _, _ = service
+    assert client.get("/healthz").json()["status"] == "ok"
+    dbs = client.get("/v1/databases").json()["databases"]
+    assert len(dbs) == 2 and all(d["tables"] and d["tables"][0]["columns"] for d in dbs)
+    page = client.get("/")
+    assert page.status_code == 200 and '<select id="db">' in page.text
+
+
+def test_concurrent_questions_are_batched_and_executed(service):
+    from tasks.bird import load_split
+
+    client, _, bird = service
+    questions = load_split(bird, "dev")[:8]
+    before = client.get("/v1/stats").json()
+
+    def ask(q):
+        return client.post("/v1/sql", json={"question": q.question, "db_id": q.db_id, "evidence": q.evidence,
+                                            "execute": True})
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(ask, questions))
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+    bodies = [r.json() for r in replies]
+    after = client.get("/v1/stats").json()
+    served = after["requests"] - before["requests"]
+    assert served == 8
+    assert after["batches"] - before["batches"] < served  # @serve.batch collected several requests per call
+    assert after["engine_batches"] - before["engine_batches"] < served  # ... and the engine decoded them together
+    assert max(b["batch_size"] for b in bodies) > 1
+    ok = [b for b in bodies if b["verdict"] == "ok"]
+    assert ok and all(b["sql"] and b["rows"] and set(b["timings"]) == {"generate_s", "execute_s", "total_s"} for b in ok)
+
+
+def test_sql_runs_read_only(service):
+    client, _, _ = service
+    db = client.get("/v1/databases").json()["databases"][0]
+    table = db["tables"][0]["name"]
+    from launch.serve import find_databases
+
+    path = find_databases(service[2], "dev")[db["db_id"]]
+    digest = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    count = client.post("/v1/execute", json={"db_id": db["db_id"], "sql": f"SELECT COUNT(*) FROM {table}"}).json()
+    assert count["verdict"] == "ok" and count["rows"][0][0] > 0
+    for sql in (f"DELETE FROM {table}", f"DROP TABLE {table}", "ATTACH DATABASE '/tmp/x.db' AS x"):
+        r = client.post("/v1/execute", json={"db_id": db["db_id"], "sql": sql})
+        assert r.status_code == 200 and r.json()["verdict"] == "sql_error", r.text
+    assert hashlib.sha256(open(path, "rb").read()).hexdigest() == digest
+    again = client.post("/v1/execute", json={"db_id": db["db_id"], "sql": f"SELECT COUNT(*) FROM {table}"}).json()
+    assert again["rows"] == count["rows"]
+
+
+@pytest.mark.parametrize("path, body, status, reason", [
+    ("/v1/sql", b"{not json", 400, "not valid JSON"),
+    ("/v1/sql", b"[1, 2]", 400, "must be a JSON object"),
+    ("/v1/sql", {"db_id": "DB"}, 422, "missing field 'question'"),
+    ("/v1/sql", {"question": "How many?"}, 422, "missing field 'db_id'"),
+    ("/v1/sql", {"question": 7, "db_id": "DB"}, 422, "field 'question' must be a string"),
+    ("/v1/sql", {"question": "How many?", "db_id": "DB", "execute": "yes"}, 422, "field 'execute' must be a boolean"),
+    ("/v1/sql", {"question": "How many?", "db_id": "no_such_db"}, 404, "unknown db_id 'no_such_db'"),
+    ("/v1/sql", {"question": "x" * 3000, "db_id": "DB"}, 422, "field 'question' is 3000 characters"),
+    ("/v1/sql", {"question": "y" * 70_000, "db_id": "DB"}, 413, "the limit is 65536"),
+    ("/v1/execute", {"db_id": "DB"}, 422, "missing field 'sql'"),
+])
+def test_bad_input_is_a_4xx_with_one_line(service, path, body, status, reason):
+    client, _, _ = service
+    db = client.get("/v1/databases").json()["databases"][0]["db_id"]
+    if isinstance(body, dict):
+        r = client.post(path, json={k: (db if v == "DB" else v) for k, v in body.items()})
+    else:
+        r = client.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert reason in error and "\n" not in error and "Traceback" not in r.text
+
+
+def test_proxy_listens_on_loopback_only(service):
+    psutil = pytest.importorskip("psutil")
+    client, _, _ = service
+    port = client.base_url.port
+    addrs = [a.address for nic in psutil.net_if_addrs().values() for a in nic
+             if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    if not addrs:
+        pytest.skip("this host has no non-loopback IPv4 address to try")
+    for addr in addrs:
+        with pytest.raises(OSError), socket.create_connection((addr, port), timeout=2):
+            pass
+
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def test_page_in_headless_chromium_answers_a_typed_question(service, tmp_path):
+    """Types a dev question into the page over the DevTools protocol, clicks Ask, reads the SQL shown
+    and checks a screenshot (kept under tmp_path, never committed)."""
+    import asyncio
+    import base64
+    import subprocess
+    import time
+
+    aiohttp = pytest.importorskip("aiohttp")
+    image = pytest.importorskip("PIL.Image")
+    binary = _chromium()
+    if binary is None:
+        pytest.skip("no chromium on PATH (Debian: apt-get install chromium; .ci/run installs it)")
+    from tasks.bird import load_split
+
+    client, _, bird = service
+    q = load_split(bird, "dev")[0]
+    profile = tmp_path / "profile"
+    proc = subprocess.Popen([binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                             "--remote-debugging-port=0", "--remote-debugging-address=127.0.0.1",
+                             f"--user-data-dir={profile}", "--window-size=1000,800", "about:blank"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        port_file = profile / "DevToolsActivePort"
+        while not (port_file.exists() and port_file.read_text().count("\n") >= 1):
+            assert time.monotonic() < deadline and proc.poll() is None, "chromium did not open its DevTools port"
+            time.sleep(0.2)
+        port = int(port_file.read_text().split()[0])
+
+        async def drive() -> tuple[str, bytes]:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+                targets = await (await http.get(f"http://127.0.0.1:{port}/json/list")).json()
+                ws_url = next(t["webSocketDebuggerUrl"] for t in targets if t["type"] == "page")
+                async with http.ws_connect(ws_url, max_msg_size=0) as ws:
+                    ids = iter(range(1, 10_000))
+
+                    async def cdp(method, **params):
+                        i = next(ids)
+                        await ws.send_json({"id": i, "method": method, "params": params})
+                        while True:
+                            msg = await asyncio.wait_for(ws.receive_json(), 30)
+                            if msg.get("id") == i:
+                                assert "error" not in msg, msg
+                                return msg["result"]
+
+                    async def js(expr):
+                        return (await cdp("Runtime.evaluate", expression=expr, returnByValue=True))["result"].get("value")
+
+                    async def until(expr, what, seconds=60.0):
+                        end = time.monotonic() + seconds
+                        while not await js(expr):
+                            assert time.monotonic() < end, f"the page never showed {what}"
+                            await asyncio.sleep(0.2)
+
+                    await cdp("Page.navigate", url=str(client.base_url) + "/")
+                    await until("document.querySelectorAll('#db option').length > 1", "the database list")
+                    await js(f"document.getElementById('db').value = {q.db_id!r}; "
+                             "document.getElementById('db').dispatchEvent(new Event('change'))")
+                    for box_id, text in (("question", q.question), ("evidence", q.evidence)):
+                        await js(f"document.getElementById({box_id!r}).focus()")
+                        await cdp("Input.insertText", text=text)
+                    box = await js("JSON.stringify(document.getElementById('ask').getBoundingClientRect())")
+                    import json
+
+                    r = json.loads(box)
+                    x, y = r["x"] + r["width"] / 2, r["y"] + r["height"] / 2
+                    for kind in ("mousePressed", "mouseReleased"):
+                        await cdp("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
+                    await until("document.getElementById('status').textContent === 'done'", "an answer")
+                    sql = await js("document.getElementById('sql').textContent")
+                    shot = await cdp("Page.captureScreenshot", format="png")
+                    return sql, base64.b64decode(shot["data"])
+
+        sql, png = asyncio.run(drive())
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert sql.strip().upper().startswith("SELECT"), sql
+    path = tmp_path / "page.png"
+    path.write_bytes(png)
+    img = image.open(path).convert("L")
+    assert img.size[0] >= 800 and img.size[1] >= 600
+    dark = sum(1 for v in img.getdata() if v < 100)  # text drawn on the white page
+    assert dark > 500, f"the screenshot looks blank ({dark} dark pixels): {path}"
