@@ -18,6 +18,7 @@ is the thin Ray shell the coordinator talks to.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -36,6 +37,7 @@ from queues.messages import TrainBatch, unpack_floats, unpack_ids
 
 log = structlog.get_logger("arctic_rl.learner")
 
+WORLD_FILE = "learner_world.json"  # beside the DeepSpeed checkpoint: the world size that wrote it
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -60,18 +62,14 @@ def ensure_process_group(device: torch.device) -> None:
 def _skip_cpu_shm_comm_build() -> None:
     """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (~30 s) on first init.
 
-    It only speeds up all-reduce between ranks of one host (deepspeed/comm/torch.py:build_shm_op
-    consults `deepspeed.ops.__compatible_ops__`); a world of one never all-reduces, so mark the
-    op incompatible there. Multi-rank CPU runs keep it, and build it once into .cache/.
+    deepspeed/comm/torch.py uses that op only in `inference_all_reduce` (tensor-parallel
+    inference), never in training: ZeRO's gradient all-reduce / reduce-scatter and its gathers go
+    through torch.distributed (gloo here). So it is marked incompatible for every world size
+    (build_shm_op consults `deepspeed.ops.__compatible_ops__`) and never built.
     """
     import deepspeed.ops
-    import torch.distributed as dist
 
-    if dist.get_world_size() == 1:
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    else:
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(repo, ".cache", "torch_extensions"))
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
@@ -685,12 +683,22 @@ class Learner:
     def save(self, path: str) -> str:
         """DeepSpeed checkpoint (model, optimizer) plus scheduler and step. Returns the directory."""
         os.makedirs(path, exist_ok=True)
+        # Collective: each rank writes its own shard (ZeRO 1-3: its optimizer partition).
         self.engine.save_checkpoint(path, tag="learner", client_state={
-            "learner_step": self.step, "scheduler": self.scheduler.state_dict()})
+            "learner_step": self.step, "scheduler": self.scheduler.state_dict(), "world_size": self.world_size})
+        if self.rank == 0:
+            with open(os.path.join(path, WORLD_FILE), "w") as f:
+                json.dump({"world_size": self.world_size, "zero_stage": self.cfg.zero_stage}, f)
         return path
 
     def load(self, path: str) -> int:
-        """Restores what `save` wrote; returns the training step it resumes at."""
+        """Restores what `save` wrote; returns the training step it resumes at. A checkpoint of
+        another world size is refused in one line naming both (no universal-checkpoint conversion)."""
+        marker = os.path.join(path, WORLD_FILE)
+        saved = json.load(open(marker))["world_size"] if os.path.exists(marker) else 1
+        if saved != self.world_size:
+            raise ValueError(f"learner checkpoint {path} was saved by {saved} learner rank(s); this run has "
+                             f"learner.num_ranks={self.world_size}: resume with learner.num_ranks={saved}")
         load_path, client = self.engine.load_checkpoint(path, tag="learner", load_optimizer_states=True,
                                                         load_lr_scheduler_states=False)
         if load_path is None:
@@ -780,26 +788,69 @@ def _deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
+class _ExportOnly:
+    """A weight-sync sender that runs the export (its ZeRO-3 gathers) and sends nothing."""
+
+    def __init__(self, export_weights, bucket_mb: float):
+        self.export_weights, self.bucket_mb, self._buckets = export_weights, bucket_mb, None
+
+    def start(self, version: int) -> None:
+        self._buckets = iter(self.export_weights(self.bucket_mb))
+
+    def next_bucket(self) -> None:
+        next(self._buckets, None)
+
+    def abort(self) -> None:
+        if self._buckets is not None and hasattr(self._buckets, "close"):
+            self._buckets.close()
+        self._buckets = None
+
+
 # ---------------------------------------------------------------------------------------------
 # Thin Ray shell: the coordinator talks to this; all behaviour lives in Learner.
 
 
 class LearnerShell:
-    """The learner actor: a Learner plus its batches stream and the sender side of weight sync."""
+    """One learner rank: a Learner plus (rank 0) its batches stream, and its side of weight sync.
+
+    A world of one builds its Learner in the constructor; a rank of a larger world builds it in
+    `join`, once rank 0 `listen`s (actors/learner_group.py drives that).
+    """
 
     def __init__(self, learner_cfg, model_cfg, model_path: str, total_steps: int, micro_batch_tokens: int,
-                 temperature: float = 1.0, run_dir: str = ""):
+                 temperature: float = 1.0, run_dir: str = "", rank: int = 0, world_size: int = 1):
         import torch
 
         from launch.logs import setup_logging
 
         torch.set_num_threads(max(1, int(learner_cfg.num_cpus)))
         if run_dir:
-            setup_logging(run_dir, "learner", console=False)
-        self.learner = Learner(learner_cfg, model_cfg, model_path, total_steps, micro_batch_tokens, temperature)
+            setup_logging(run_dir, "learner" if world_size == 1 else f"learner-{rank}", console=False)
+        self.rank, self.world_size = int(rank), int(world_size)
+        self._args = (learner_cfg, model_cfg, model_path, total_steps, micro_batch_tokens, temperature)
+        self._store = None
+        self.learner = Learner(*self._args) if self.world_size == 1 else None
         self.trained_steps: set[int] = set()
         self.train_counts: dict[int, list[int]] = {}  # step -> [times trained, groups in its batch]
         self.sender = None
+        self._taken = None  # (msg_id, batch) read from the stream, trained, not yet acked
+
+    def listen(self) -> tuple[str, int]:
+        """Rank 0 of a world > 1: binds the world's store; returns where the others connect."""
+        from actors.learner_group import bind_store
+
+        self._store, host, port = bind_store(self.world_size)
+        return host, port
+
+    def join(self, host: str, port: int) -> None:
+        """Every rank of a world > 1, concurrently: joins the process group, then builds the Learner
+        (deepspeed.initialize is collective)."""
+        from actors.learner_group import init_world
+
+        device = self._args[0].device
+        cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        init_world(self.rank, self.world_size, "nccl" if cuda else "gloo", store=self._store, host=host, port=port)
+        self.learner = Learner(*self._args)
 
     async def connect(self, redis_url: str, run_id: str) -> None:
         from queues.streams import Stream, connect
@@ -807,16 +858,13 @@ class LearnerShell:
         self.batches = Stream(await connect(redis_url), run_id, "batches", group="learner")
         await self.batches.ensure_group()
 
-    async def train_from_stream(self, step: int, timeout_s: float = 600.0) -> dict:
-        """Trains on the batch for `step`; ignores (acks) batches of steps already trained."""
-        import asyncio
-        import time as _time
+    async def _take(self, step: int, timeout_s: float) -> tuple[str, TrainBatch, bytes]:
+        """The batch for `step` from the stream; acks (and skips) batches of steps already trained."""
+        from queues.messages import codec
 
-        from queues.messages import TrainBatch, codec
-
-        deadline = _time.monotonic() + timeout_s
+        deadline = time.monotonic() + timeout_s
         entries = await self.batches.pending_mine("learner-0")
-        while _time.monotonic() < deadline:
+        while time.monotonic() < deadline:
             if not entries:
                 entries = await self.batches.consume("learner-0", count=4, block_ms=500)
             for msg_id, data in entries:
@@ -826,16 +874,53 @@ class LearnerShell:
                     continue
                 if batch.step != step:
                     continue  # a later step's batch: leave it pending for its turn
-                metrics = await asyncio.get_running_loop().run_in_executor(None, self.learner.train_step, batch)
-                self.trained_steps.add(step)
-                count = self.train_counts.setdefault(step, [0, 0])
-                count[0] += 1
-                count[1] += len(batch.groups)
-                metrics = dict(metrics, train_groups=float(len(batch.groups)))
-                await self.batches.ack([msg_id])
-                return metrics
+                return msg_id, batch, data
             entries = []
         raise TimeoutError(f"learner: no TrainBatch for step {step} within {timeout_s:.0f}s")
+
+    async def _finish(self, msg_id: str, batch: TrainBatch, metrics: dict) -> dict:
+        self.trained_steps.add(batch.step)
+        count = self.train_counts.setdefault(batch.step, [0, 0])
+        count[0] += 1
+        count[1] += len(batch.groups)
+        await self.batches.ack([msg_id])
+        return dict(metrics, train_groups=float(len(batch.groups)))
+
+    async def train_from_stream(self, step: int, timeout_s: float = 600.0) -> dict:
+        """A world of one: trains on the batch for `step`, then acks it."""
+        import asyncio
+
+        msg_id, batch, _ = await self._take(step, timeout_s)
+        metrics = await asyncio.get_running_loop().run_in_executor(None, self.learner.train_step, batch)
+        return await self._finish(msg_id, batch, metrics)
+
+    async def take_batch(self, step: int, timeout_s: float = 600.0) -> list:
+        """Rank 0 of a world > 1: reads the step's batch and returns [ObjectRef of its bytes] for the
+        other ranks (a list, so Ray hands the reference through instead of resolving it)."""
+        import ray
+
+        msg_id, batch, data = await self._take(step, timeout_s)
+        self._taken = (msg_id, batch)
+        return [ray.put(data)]
+
+    async def train_taken(self) -> dict:
+        import asyncio
+
+        return await asyncio.get_running_loop().run_in_executor(None, self.learner.train_step, self._taken[1])
+
+    async def train_bytes(self, data: bytes) -> dict:
+        """Ranks > 0: the same step from the bytes rank 0 read."""
+        import asyncio
+
+        from queues.messages import codec
+
+        batch = codec(TrainBatch).decode(data)
+        return await asyncio.get_running_loop().run_in_executor(None, self.learner.train_step, batch)
+
+    async def finish_taken(self, metrics: dict) -> dict:
+        """Rank 0, after every rank trained: records the step and acks its message."""
+        (msg_id, batch), self._taken = self._taken, None
+        return await self._finish(msg_id, batch, metrics)
 
     def sft_step(self, pairs, lr=None) -> float:
         return self.learner.sft_step(pairs, lr=lr)
@@ -843,7 +928,10 @@ class LearnerShell:
     def weight_sync_start(self, version: int, kind: str, bucket_mb: int) -> None:
         from actors import weight_sync
 
-        if kind == "object_store":
+        if kind == "object_store" and self.rank > 0:
+            # ZeRO-3: the gathers are collective; this rank exports in lockstep and drops its buckets.
+            self.sender = _ExportOnly(self.learner.export_weights, bucket_mb)
+        elif kind == "object_store":
             self.sender = weight_sync.ObjectStoreSender(self.learner.export_weights, bucket_mb)
         else:
             self.sender = weight_sync.CudaIpcSender(lambda mb: self.learner.export_weights(mb, device="cuda"), bucket_mb)
@@ -878,6 +966,12 @@ class LearnerShell:
 
         return (await asyncio.to_thread(self.broadcaster.send, version)).version
 
+    async def weight_sync_export_only(self) -> None:
+        """nccl under ZeRO-3, ranks > 0: the export's gathers, concurrently with rank 0's broadcast."""
+        import asyncio
+
+        await asyncio.to_thread(lambda: [None for _ in self.learner.export_weights()])
+
     def weight_sync_next(self):
         return self.sender.next_bucket()
 
@@ -890,6 +984,8 @@ class LearnerShell:
         import os
 
         out = self.learner.save(path)
+        if self.rank > 0:
+            return out
         with open(os.path.join(path, "trained_steps.json"), "w") as f:
             json.dump(sorted(self.trained_steps), f)
         with open(os.path.join(path, "train_counts.json"), "w") as f:

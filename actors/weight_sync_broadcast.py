@@ -56,6 +56,28 @@ def node_ip() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+def bind_store(host: str, world_size: int, timeout: datetime.timedelta) -> Any:
+    """A TCPStore server (is_master) on `host` alone, on a free port (read it from `.port`); also the
+    learner group's rendezvous (actors/learner_group.py).
+
+    torch's TCPStore server would listen on every interface: it is handed a socket bound to
+    this node's address alone (127.0.0.1 in a local run); the store owns it. Raises OSError.
+    """
+    import torch.distributed as dist
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.bind((host, 0))
+        listener.listen(max(128, world_size))
+    except OSError:
+        listener.close()
+        raise
+    port = listener.getsockname()[1]
+    return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=listener.detach())
+
+
 def _is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
@@ -144,24 +166,13 @@ class BroadcastSender(SenderBase, _Broadcaster):
         self._closed = threading.Event()
 
     def listen(self, world_size: int, host: str | None = None) -> Rendezvous:
-        import torch.distributed as dist
-
         if world_size < 2:
             raise WeightSyncError(f"a weight-sync group needs the learner and >= 1 generator, world_size={world_size}")
         host = host or node_ip()
-        # torch's TCPStore server would listen on every interface: it is handed a socket bound to
-        # this node's address alone (127.0.0.1 in a local run), on a free port; the store owns it.
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
         try:
-            listener.bind((host, 0))
-            listener.listen(max(128, world_size))
+            self._store = bind_store(host, world_size, self.timeout)
         except OSError as e:
-            listener.close()
             raise WeightSyncError(f"weight sync: cannot listen on {host}: {e}") from None
-        port = listener.getsockname()[1]
-        self._store = dist.TCPStore(host, port, world_size, is_master=True, timeout=self.timeout,
-                                    wait_for_workers=False, master_listen_fd=listener.detach())
         self._rendezvous = Rendezvous(host=host, port=self._store.port, world_size=world_size,
                                       backend=self.backend, timeout_s=self.timeout.total_seconds())
         return self._rendezvous

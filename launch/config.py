@@ -126,8 +126,11 @@ class LearnerConfig(_Section):
     offload_optimizer: bool = False
     device: str = "auto"
     ds_config: dict[str, Any] = {}  # merged over the generated DeepSpeed config
-    num_cpus: float = 1.0
+    num_cpus: float = 1.0  # Ray CPU request per learner rank
     num_gpus: float = 0.0
+    # Learner ranks (one process each, one torch.distributed world, DeepSpeed data parallel). On CPU
+    # this many processes over gloo; on GPU recipes the placement's world size decides.
+    num_ranks: int = 1
 
 
 class CoordinatorConfig(_Section):
@@ -298,6 +301,7 @@ def check(cfg: RunConfig) -> None:
     need(cfg.learner.lr > 0, "learner.lr", "must be > 0")
     need(cfg.learner.checkpoint_layers >= -1, "learner.checkpoint_layers", "must be -1 (every layer) or >= 0")
     need(0 <= cfg.learner.warmup_ratio < 1, "learner.warmup_ratio", "must be in [0, 1)")
+    need(cfg.learner.num_ranks >= 1, "learner.num_ranks", "must be >= 1")
     need(cfg.coordinator.prompts_per_step >= 1, "coordinator.prompts_per_step", "must be >= 1")
     need(cfg.coordinator.steps >= 0, "coordinator.steps", "must be >= 0")
     need(cfg.assembler.max_staleness >= 0, "assembler.max_staleness", "must be >= 0")

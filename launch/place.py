@@ -29,15 +29,16 @@ def _engine_gpus(cfg: RunConfig) -> float:
 
 def create_actors(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_path: str, total_steps: int,
                   names: str = ""):
-    """The run's actors, named `<names>:learner` etc. (names: the run id, or the run id and the
-    relaunch: Ray keeps a dead actor's name while a handle to it lives)."""
+    """The run's actors, named `<names>:learner-<rank>` etc. (names: the run id, or the run id and the
+    relaunch: Ray keeps a dead actor's name while a handle to it lives). The learner is a
+    LearnerGroup of `learner.num_ranks` rank actors."""
     import ray
 
     names = names or run_id
 
     from actors.assembler import Assembler
     from actors.generator import GeneratorActor
-    from actors.learner import LearnerActor
+    from actors.learner_group import LearnerGroup
     from actors.scorer import ScorerActor
 
     hw = cfg.cluster.stream_high_water
@@ -45,9 +46,8 @@ def create_actors(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, mo
     learner_gpus = cfg.learner.num_gpus if cfg.cluster.gpus_per_node else 0.0
     if cfg.coordinator.mode == "colocated" and learner_gpus:
         learner_gpus = 0.5
-    learner = LearnerActor.options(max_concurrency=4, name=f"{names}:learner", num_cpus=cfg.learner.num_cpus, num_gpus=learner_gpus).remote(
-        cfg.learner, cfg.model, model_path, total_steps, cfg.assembler.micro_batch_tokens,
-        temperature=cfg.generator.temperature, run_dir=str(run_dir))
+    learner = LearnerGroup.create(cfg, model_path, total_steps, str(run_dir), names,
+                                  rank_options=[{"num_gpus": learner_gpus}] * cfg.learner.num_ranks)
     generators = [GeneratorActor.options(name=f"{names}:generator-{i}", num_cpus=cfg.generator.num_cpus,
                                          num_gpus=_engine_gpus(cfg), **RESTART).remote(
         cfg.generator, cfg.model, model_path, reclaim_idle_s=idle, stream_high_water=hw,
@@ -63,9 +63,8 @@ def create_actors(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, mo
 
 def warm_start(cfg: RunConfig, learner, items: list, model_path: str, log) -> dict[str, float]:
     """The tiny recipe's supervised warm-start on gold SQL, so RL starts with some signal."""
+    import asyncio
     import random
-
-    import ray
 
     from launch.run import sft_pairs
 
@@ -79,7 +78,7 @@ def warm_start(cfg: RunConfig, learner, items: list, model_path: str, log) -> di
     start = time.perf_counter()
     for i in range(steps):
         chunk = rng.sample(pairs, min(batch, len(pairs)))
-        losses.append(ray.get(learner.sft_step.remote(chunk, cfg.model.tiny_sft_lr)))
+        losses.append(asyncio.run(learner.sft_step(chunk, cfg.model.tiny_sft_lr)))
         if (i + 1) % max(1, steps // 5) == 0:
             log.info("warm-start", step=i + 1, of=steps, loss=round(sum(losses[-20:]) / len(losses[-20:]), 4))
     return {"sft_loss_first": losses[0], "sft_loss_last": sum(losses[-10:]) / len(losses[-10:]),
@@ -88,6 +87,8 @@ def warm_start(cfg: RunConfig, learner, items: list, model_path: str, log) -> di
 
 def place_and_run(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_path: str,
                   train_items: list, eval_items: list, log, names: str = "") -> dict[str, Any]:
+    import asyncio
+
     import ray
 
     from actors.coordinator import Coordinator
@@ -103,7 +104,7 @@ def place_and_run(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, mo
     loops = [g.run.remote(redis_url, run_id, f"generator-{i}") for i, g in enumerate(generators)]
     loops += [s.run.remote(redis_url, run_id, hw) for s in scorers]
     ray.get(assembler.start.remote(redis_url, run_id, hw))
-    ray.get(learner.connect.remote(redis_url, run_id))
+    asyncio.run(learner.connect(redis_url, run_id))
 
     coordinator = ray.remote(Coordinator).options(name=f"{names}:coordinator", num_cpus=cfg.coordinator.num_cpus,
                                                   max_concurrency=8).remote(

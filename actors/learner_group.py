@@ -1,0 +1,228 @@
+"""The learner as a group of rank actors: one torch.distributed world, DeepSpeed data parallel.
+
+Invariants:
+- Rank i is the Ray actor `<names>:learner-<i>`, one process each (on GPU one GPU each); rank 0 is
+  `ranks[0]`. A world of one keeps its in-process HashStore (no socket at all).
+- A world of N rendezvous on a TCPStore that rank 0 binds on its node's address (never on every
+  interface) and a free port; the other ranks connect to it. Every wait is bounded: the store's
+  and the process group's timeouts, and `create` waits at most `timeout_s` for the ranks to join.
+- Every method the coordinator and the launcher call is an `async def` that fans out to every rank
+  that must take part (collectives: every rank; the stream, the step ledger: rank 0 only) and
+  returns rank 0's result. The coordinator's `call()` awaits it like an actor method.
+- A step's TrainBatch is read from the `batches` stream by rank 0 alone; every rank trains on the
+  same bytes (rank 0 puts them in the object store once); the message is acked only after every
+  rank finished the step, so a rank that dies mid-step leaves it pending for the resumed run.
+- Weight export under ZeRO-3 is collective: every rank iterates its export in lockstep and only
+  rank 0's buckets leave (object_store, nccl); with cuda_ipc every rank sends for its own GPU and
+  the per-rank buckets are merged into one message (`actors.weight_sync.merge_ipc_buckets`).
+
+The group is a plain picklable object (actor handles and numbers), so it travels to the
+coordinator actor like a single handle did.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import time
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger("arctic_rl.learner")
+
+COLLECTIVE_TIMEOUT_S = 1800.0  # the learner's process group and store: a model load, a checkpoint
+JOIN_TIMEOUT_S = 1800.0  # create(): every rank built its learner (model load + deepspeed.initialize)
+
+
+# ----------------------------------------------------------------------------- rendezvous (in a rank)
+
+
+def bind_store(world_size: int, timeout_s: float = COLLECTIVE_TIMEOUT_S, host: str | None = None):
+    """Rank 0: the world's TCPStore on this node's address alone, on a free port. Returns (store, host, port)."""
+    from actors import weight_sync_broadcast as wsb
+
+    host = host or wsb.node_ip()
+    try:
+        store = wsb.bind_store(host, world_size, datetime.timedelta(seconds=timeout_s))
+    except OSError as e:
+        raise RuntimeError(f"learner rendezvous: cannot listen on {host}: {e}") from None
+    return store, host, store.port
+
+
+def init_world(rank: int, world_size: int, backend: str, store: Any = None, host: str = "", port: int = 0,
+               timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
+    """Joins this process to the learner's default process group (rank 0 passes its own store)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    # DeepSpeed and the learner read these; each rank sees only its own GPU (Ray sets
+    # CUDA_VISIBLE_DEVICES per actor), so its local device index is 0.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+# ----------------------------------------------------------------------------- the group (caller side)
+
+
+class LearnerGroup:
+    """Handles of the rank actors (rank 0 first) and the calls that fan out to them."""
+
+    def __init__(self, ranks: list, zero_stage: int = 0):
+        if not ranks:
+            raise ValueError("a LearnerGroup needs at least one rank")
+        self.ranks = list(ranks)
+        self.zero_stage = int(zero_stage)
+        self._kind = ""  # the weight-sync transport in flight (weight_sync_start sets it)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @classmethod
+    def create(cls, cfg, model_path: str, total_steps: int, run_dir: str, names: str,
+               rank_options: list[dict] | None = None, timeout_s: float = JOIN_TIMEOUT_S) -> "LearnerGroup":
+        """Starts `cfg.learner.num_ranks` rank actors and (world > 1) waits until all joined one world.
+
+        `rank_options[i]`: extra Ray `.options()` for rank i (num_gpus, num_cpus, scheduling_strategy);
+        None: num_cpus=cfg.learner.num_cpus each, no GPU.
+        """
+        import ray
+
+        from actors.learner import LearnerActor
+
+        n = int(cfg.learner.num_ranks)
+        if n < 1:
+            raise ValueError(f"learner.num_ranks must be >= 1, got {n}")
+        if rank_options is not None and len(rank_options) != n:
+            raise ValueError(f"learner.num_ranks={n} but the placement gives {len(rank_options)} learner ranks")
+        ranks = []
+        for r in range(n):
+            opts: dict[str, Any] = dict(max_concurrency=4, name=f"{names}:learner-{r}", num_cpus=cfg.learner.num_cpus,
+                                        num_gpus=0)
+            opts.update(rank_options[r] if rank_options is not None else {})
+            ranks.append(LearnerActor.options(**opts).remote(
+                cfg.learner, cfg.model, model_path, total_steps, cfg.assembler.micro_batch_tokens,
+                temperature=cfg.generator.temperature, run_dir=str(run_dir), rank=r, world_size=n))
+        group = cls(ranks, cfg.learner.zero_stage)
+        if n > 1:
+            group._join(timeout_s)
+        return group
+
+    def _join(self, timeout_s: float) -> None:
+        import ray
+
+        t0 = time.monotonic()
+        host, port = ray.get(self.ranks[0].listen.remote(), timeout=min(timeout_s, 600.0))
+        refs = [r.join.remote(host, port) for r in self.ranks]
+        pending = list(refs)
+        deadline = t0 + timeout_s
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=max(0.0, deadline - time.monotonic()))
+            ray.get(ready)  # a rank that failed to start raises here, naming its error
+            if pending and time.monotonic() >= deadline:
+                missing = [i for i, ref in enumerate(refs) if ref in pending]
+                raise TimeoutError(f"learner ranks {missing} did not join the world of {self.world_size} "
+                                   f"at {host}:{port} within {timeout_s:.0f} s")
+        log.info("learner.group_ready", world_size=self.world_size, host=host, port=port,
+                 s=round(time.monotonic() - t0, 2))
+
+    def kill(self) -> None:
+        import ray
+
+        for r in self.ranks:
+            try:
+                ray.kill(r, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+    # ------------------------------------------------------------------ fan-out helpers
+
+    async def _all(self, method: str, *args, **kwargs) -> list:
+        return list(await asyncio.gather(*(getattr(r, method).remote(*args, **kwargs) for r in self.ranks)))
+
+    async def _rank0(self, method: str, *args, **kwargs):
+        return await getattr(self.ranks[0], method).remote(*args, **kwargs)
+
+    def _exporters(self) -> list:
+        """Ranks that run a weight export: all under ZeRO-3 (its gathers are collective), else rank 0."""
+        return self.ranks if self.zero_stage == 3 else self.ranks[:1]
+
+    # ------------------------------------------------------------------ what the coordinator calls
+
+    async def connect(self, redis_url: str, run_id: str) -> None:
+        await self._rank0("connect", redis_url, run_id)
+
+    async def train_from_stream(self, step: int, timeout_s: float = 600.0) -> dict:
+        """Trains every rank on the batch for `step` (read by rank 0); rank 0 acks it afterwards."""
+        if self.world_size == 1:
+            return await self._rank0("train_from_stream", step, timeout_s)
+        shared = await self._rank0("take_batch", step, timeout_s)  # [ObjectRef of the batch bytes]
+        outs = await asyncio.gather(self.ranks[0].train_taken.remote(),
+                                    *(r.train_bytes.remote(shared[0]) for r in self.ranks[1:]))
+        return await self._rank0("finish_taken", outs[0])
+
+    async def sft_step(self, pairs, lr=None) -> float:
+        return (await self._all("sft_step", pairs, lr))[0]
+
+    async def sleep(self) -> None:
+        await self._all("sleep")
+
+    async def wake(self) -> None:
+        await self._all("wake")
+
+    async def save(self, path: str) -> str:
+        return (await self._all("save", path))[0]
+
+    async def load(self, path: str) -> int:
+        steps = await self._all("load", path)
+        if len(set(steps)) != 1:
+            raise RuntimeError(f"learner ranks resumed at different steps {steps} from {path}")
+        return steps[0]
+
+    async def export_hf(self, path: str) -> str:
+        return (await self._all("export_hf", path))[0]
+
+    async def get_step(self) -> int:
+        return await self._rank0("get_step")
+
+    async def pid(self) -> int:
+        return await self._rank0("pid")
+
+    # weight sync: object_store / cuda_ipc (bucket by bucket, driven by the coordinator)
+
+    async def weight_sync_start(self, version: int, kind: str, bucket_mb: int) -> None:
+        self._kind = kind
+        ranks = self.ranks if kind == "cuda_ipc" else self._exporters()
+        await asyncio.gather(*(r.weight_sync_start.remote(version, kind, bucket_mb) for r in ranks))
+
+    async def weight_sync_next(self):
+        if self.world_size == 1:
+            return await self._rank0("weight_sync_next")
+        kind = self._kind
+        ranks = self.ranks if kind == "cuda_ipc" else self._exporters()
+        outs = await asyncio.gather(*(r.weight_sync_next.remote() for r in ranks))
+        if kind != "cuda_ipc":
+            return outs[0]  # the other ranks only took part in the gathers
+        from actors.weight_sync import merge_ipc_buckets
+
+        return merge_ipc_buckets(list(outs))
+
+    async def weight_sync_abort(self) -> None:
+        await self._all("weight_sync_abort")
+
+    # weight sync: nccl (gloo on CPU): rank 0 broadcasts; under ZeRO-3 the others take part in the gathers
+
+    async def weight_sync_listen(self, world_size: int, bucket_mb: int):
+        return await self._rank0("weight_sync_listen", world_size, bucket_mb)
+
+    async def weight_sync_init(self) -> None:
+        await self._rank0("weight_sync_init")
+
+    async def weight_sync_broadcast(self, version: int) -> int:
+        helpers = self._exporters()[1:]
+        outs = await asyncio.gather(self.ranks[0].weight_sync_broadcast.remote(version),
+                                    *(r.weight_sync_export_only.remote() for r in helpers))
+        return outs[0]
