@@ -93,7 +93,7 @@ def gpu1_0p6b() -> RunConfig:
     cfg.data.eval_size, cfg.data.eval_samples = 0, 0
     cfg.model = ModelConfig(source="tiny", dtype="bfloat16", attn_implementation="sdpa", tiny_hidden_size=1024,
                             tiny_layers=28, tiny_heads=16, tiny_kv_heads=8, tiny_intermediate_size=3072,
-                            tiny_vocab_size=640, tiny_sft_steps=30, tiny_sft_lr=2e-4)
+                            tiny_vocab_size=640, tiny_sft_steps=150, tiny_sft_lr=3e-4)
     cfg.generator = GeneratorConfig(engine="vllm", n_samples=8, temperature=1.0, max_tokens=48,
                                     gpu_memory_utilization=0.3, enforce_eager=True, sleep_level=2,
                                     max_inflight_prompts=64, num_cpus=1.0)
@@ -101,9 +101,9 @@ def gpu1_0p6b() -> RunConfig:
     cfg.assembler = AssemblerConfig(micro_batch_tokens=16_384, filter_zero_variance=False, num_cpus=0.25)
     cfg.learner = LearnerConfig(zero_stage=0, dtype="bfloat16", lr=1e-5, betas=[0.9, 0.99], grad_clip=1.0,
                                 update_epochs=1, clip_low=0.2, clip_high=0.28, use_liger=True,
-                                gradient_checkpointing=True, offload_optimizer=True, device="cuda", num_gpus=1.0,
-                                num_cpus=1.0)
-    cfg.coordinator = CoordinatorConfig(mode="colocated", steps=8, prompts_per_step=16, eval_every=0,
+                                gradient_checkpointing=True, offload_optimizer=True, tis_cap=2.0, device="cuda",
+                                num_gpus=1.0, num_cpus=1.0)
+    cfg.coordinator = CoordinatorConfig(mode="colocated", steps=16, prompts_per_step=16, eval_every=0,
                                         checkpoint_every=0, weight_sync="cuda_ipc", num_cpus=0.25)
     cfg.cluster = ClusterConfig(num_nodes=1, gpus_per_node=1, gpu_memory_gib=141.0, num_cpus=8)
     return cfg
