@@ -162,3 +162,10 @@ def test_flashinfer_sampler_is_turned_off_only_when_flashinfer_is_missing(monkey
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
     env = {}
     assert not vllm_engine.ensure_sampler_env(env) and env == {}
+
+
+def test_the_engine_core_is_spawned_unless_the_user_chose():
+    env: dict[str, str] = {}
+    assert vllm_engine.ensure_spawn_env(env) and env == {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    user = {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+    assert not vllm_engine.ensure_spawn_env(user) and user["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"

@@ -245,3 +245,45 @@ def test_the_merged_ipc_message_crosses_msgpack_as_pickled_bytes():
     back = ipc_message_from_bytes(msgspec.msgpack.decode(msgspec.msgpack.encode(blob)))
     assert back.plan == merged.plan and back.handles.keys() == merged.handles.keys()
     assert pickle.loads(blob)[1]["GPU-0"]["float32"][0] is fake_rebuild  # the rebuild function, by reference
+
+
+def _generator_shell_over(engine: VLLMEngine):
+    """The real GeneratorActor class body (not started through Ray) over a fake-vLLM engine."""
+    from actors.generator import Generator, GeneratorActor
+
+    shell = object.__new__(GeneratorActor.__ray_metadata__.modified_class)
+    shell.gen = Generator(engine, type("Cfg", (), {"max_inflight_prompts": 4})())
+    shell.needs_weights, shell._weights_ready = True, asyncio.Event()
+    shell._broadcast = shell._broadcast_rdv = None
+    return shell
+
+
+async def test_generator_shell_hands_fake_vllm_engines_the_messages_for_both_transports():
+    w = weights(5)
+    workers = [FakeWorker(0, "GPU-a"), FakeWorker(1, "GPU-b")]
+    shell = _generator_shell_over(fake_vllm_engine(workers))
+    assert await shell.weight_sync_ranks() == 2
+    # nccl (gloo here): each worker joins as its own rank, the shell ends the update and sets the version
+    sender = BroadcastSender(lambda mb: iter_buckets(w.items(), mb), BUCKET_MB, backend="gloo", device="cpu",
+                             timeout_s=30)
+    rdv = sender.listen(world_size=3, host="127.0.0.1")
+    try:
+        await asyncio.wait_for(asyncio.gather(asyncio.to_thread(sender.init), shell.weight_sync_join(rdv, 1)), 60)
+        assert shell._broadcast == "engine" and await shell.weight_sync_group() == rdv
+        _, got = await asyncio.wait_for(
+            asyncio.gather(asyncio.to_thread(sender.send, 3), shell.weight_sync_broadcast_receive(3)), 60)
+        assert got == 3 and shell.gen.version == 3 and not shell.needs_weights
+        for worker in workers:
+            assert_loaded(worker.model_runner.model, w)
+    finally:
+        sender.close()
+        for worker in workers:
+            worker._arl_receiver.close()
+    # cuda_ipc: the merged message goes to the engine as it came
+    for worker in workers:
+        worker.model_runner.model = FakeModel()
+    ranks = [fake_rank_messages(w, 4, uuid, r, BUCKET_MB) for r, uuid in enumerate(["GPU-a", "GPU-b"])]
+    results = [await shell.weight_sync_receive(merge_ipc_buckets(list(step)), "cuda_ipc") for step in zip(*ranks)]
+    assert results[-1] == 4 and shell.gen.version == 4
+    for worker in workers:
+        assert_loaded(worker.model_runner.model, w)

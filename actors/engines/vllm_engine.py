@@ -21,6 +21,9 @@ Invariants:
 - Without flashinfer, vLLM 0.26's default sampler fails at start-up: the engine sets
   VLLM_USE_FLASHINFER_SAMPLER=0 itself when flashinfer is not importable (and logs it once), unless
   the user set the variable.
+- vLLM's engine-core process is spawned, never forked (VLLM_WORKER_MULTIPROC_METHOD=spawn unless the
+  user set it): a process that has asked CUDA anything, even `torch.cuda.is_available()`, cannot fork
+  a CUDA child, and vLLM only detects an initialised CUDA context (seen on the H200, 2026-12-03).
 - The user's `engine_kwargs` are deep-converted to plain dicts/lists and passed through;
   a key that is not an AsyncEngineArgs field is an error naming it, never silently dropped.
 - vLLM is imported lazily; `VLLM_API` below lists every vLLM symbol and parameter this file
@@ -163,6 +166,15 @@ def ensure_sampler_env(environ: dict | None = None) -> bool:
     return True
 
 
+def ensure_spawn_env(environ: dict | None = None) -> bool:
+    """VLLM_WORKER_MULTIPROC_METHOD=spawn unless the user chose; returns whether it set it."""
+    env = os.environ if environ is None else environ
+    if "VLLM_WORKER_MULTIPROC_METHOD" in env:
+        return False
+    env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    return True
+
+
 def _raw(buffer: Any) -> bytes:
     """A flat uint8 buffer (numpy array, CPU tensor or bytes) as bytes msgpack carries."""
     if isinstance(buffer, bytes):
@@ -179,6 +191,7 @@ class VLLMEngine(Engine):
         self.cfg = generator_cfg
         self.version = 0
         ensure_sampler_env()
+        ensure_spawn_env()
         args = build_engine_args(generator_cfg, model_cfg, model_path, engine_arg_fields())
         AsyncEngineArgs = _sym("vllm.AsyncEngineArgs")
         self.llm = _sym("vllm.v1.engine.async_llm.AsyncLLM.from_engine_args")(AsyncEngineArgs(**args))
