@@ -118,6 +118,26 @@ def assert_loaded(model: FakeModel, w: dict[str, torch.Tensor]) -> None:
                                                                     t.contiguous().view(-1).view(torch.uint8)), name
 
 
+async def gloo_sync(workers, w, version: int, join, receive) -> int:
+    """The learner's side (a real BroadcastSender over gloo) against `join(rdv, 1)` / `receive(version)`
+    of the fake workers' engine; checks every worker loaded `w`; returns what `receive` returned."""
+    sender = BroadcastSender(lambda mb: iter_buckets(w.items(), mb), BUCKET_MB, backend="gloo", device="cpu",
+                             timeout_s=30)
+    rdv = sender.listen(world_size=1 + len(workers), host="127.0.0.1")
+    try:
+        await asyncio.wait_for(asyncio.gather(asyncio.to_thread(sender.init), join(rdv, 1)), 60)
+        assert [wk._arl_receiver.rank for wk in workers] == list(range(1, 1 + len(workers)))
+        summary, got = await asyncio.wait_for(asyncio.gather(asyncio.to_thread(sender.send, version), receive(version)), 60)
+        assert summary.num_tensors == len(w)
+        for worker in workers:
+            assert_loaded(worker.model_runner.model, w)
+        return got
+    finally:
+        sender.close()
+        for worker in workers:
+            worker._arl_receiver.close()
+
+
 # ----------------------------------------------------------------------------- merge and selection
 
 
@@ -211,24 +231,10 @@ async def test_object_store_and_load_weights_reach_fake_vllm_workers_as_plain_by
 
 
 async def test_broadcast_group_joined_by_fake_vllm_workers_over_gloo_one_rank_each():
-    w = weights(4)
     workers = [FakeWorker(0, "GPU-a"), FakeWorker(1, "GPU-b")]
     engine = fake_vllm_engine(workers)
-    sender = BroadcastSender(lambda mb: iter_buckets(w.items(), mb), BUCKET_MB, backend="gloo", device="cpu",
-                             timeout_s=30)
-    rdv = sender.listen(world_size=1 + engine.weight_sync_ranks(), host="127.0.0.1")
-    try:
-        await asyncio.wait_for(asyncio.gather(asyncio.to_thread(sender.init), engine.join_weight_group(rdv, 1)), 60)
-        assert [wk._arl_receiver.rank for wk in workers] == [1, 2]
-        summary, got = await asyncio.wait_for(
-            asyncio.gather(asyncio.to_thread(sender.send, 9), engine.receive_weight_group(9)), 60)
-        assert got == 9 and summary.num_tensors == len(w)
-        for worker in workers:
-            assert_loaded(worker.model_runner.model, w)
-    finally:
-        sender.close()
-        for worker in workers:
-            worker._arl_receiver.close()
+    assert engine.weight_sync_ranks() == 2
+    assert await gloo_sync(workers, weights(4), 9, engine.join_weight_group, engine.receive_weight_group) == 9
 
 
 def test_a_worker_whose_rank_does_not_fit_the_group_says_so_before_joining():
@@ -264,21 +270,8 @@ async def test_generator_shell_hands_fake_vllm_engines_the_messages_for_both_tra
     shell = _generator_shell_over(fake_vllm_engine(workers))
     assert await shell.weight_sync_ranks() == 2
     # nccl (gloo here): each worker joins as its own rank, the shell ends the update and sets the version
-    sender = BroadcastSender(lambda mb: iter_buckets(w.items(), mb), BUCKET_MB, backend="gloo", device="cpu",
-                             timeout_s=30)
-    rdv = sender.listen(world_size=3, host="127.0.0.1")
-    try:
-        await asyncio.wait_for(asyncio.gather(asyncio.to_thread(sender.init), shell.weight_sync_join(rdv, 1)), 60)
-        assert shell._broadcast == "engine" and await shell.weight_sync_group() == rdv
-        _, got = await asyncio.wait_for(
-            asyncio.gather(asyncio.to_thread(sender.send, 3), shell.weight_sync_broadcast_receive(3)), 60)
-        assert got == 3 and shell.gen.version == 3 and not shell.needs_weights
-        for worker in workers:
-            assert_loaded(worker.model_runner.model, w)
-    finally:
-        sender.close()
-        for worker in workers:
-            worker._arl_receiver.close()
+    assert await gloo_sync(workers, w, 3, shell.weight_sync_join, shell.weight_sync_broadcast_receive) == 3
+    assert shell._broadcast == "engine" and shell.gen.version == 3 and not shell.needs_weights
     # cuda_ipc: the merged message goes to the engine as it came
     for worker in workers:
         worker.model_runner.model = FakeModel()
