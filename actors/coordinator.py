@@ -368,6 +368,10 @@ class Coordinator:
         return self.run_dir / "checkpoints" / f"step_{step:06d}"
 
     async def save_checkpoint(self, step: int) -> Path:
+        """DeepSpeed checkpoint + cursor, then the HF export of the same weights (hf/step_<step+1>),
+        then the `latest` marker, then pruning (launch/export.py: never the latest checkpoint)."""
+        from launch.export import prune_checkpoints, write_atomic
+
         path = self.checkpoint_dir(step)
         path.mkdir(parents=True, exist_ok=True)
         await call(self.learner, "save", str(path / "learner"))
@@ -377,9 +381,25 @@ class Coordinator:
         state = {"step": step, "version": self.version, "cursor": cursor,
                  "outcomes": _count(self.ledger.values()), "ledger": self.ledger,
                  "resyncs": getattr(self, "resyncs", 0)}
-        (path / "coordinator.json").write_text(json.dumps(state))
-        (self.run_dir / "checkpoints" / "latest").write_text(path.name)
+        write_atomic(path / "coordinator.json", json.dumps(state))
+        await self.export_hf(step + 1)
+        write_atomic(self.run_dir / "checkpoints" / "latest", path.name)
+        pruned = prune_checkpoints(self.run_dir / "checkpoints", self.cfg.coordinator.keep_checkpoints)
+        if pruned and self.log is not None:
+            self.log.info("checkpoints pruned", removed=[p.name for p in pruned],
+                          keep=self.cfg.coordinator.keep_checkpoints)
         return path
+
+    async def export_hf(self, steps_done: int) -> Path:
+        """The learner writes a Hugging Face directory into a temp dir; it is renamed into place whole."""
+        from launch.export import begin_export, commit_export, export_dir, inference_settings, source_model_dir
+
+        final = export_dir(self.run_dir, steps_done)
+        tmp = begin_export(final)
+        await call(self.learner, "export_hf", str(tmp))
+        commit_export(tmp, final, inference_settings(self.cfg, self.run_id, steps_done),
+                      source_model_dir(self.cfg, self.run_dir))
+        return final
 
     @staticmethod
     def latest_checkpoint(run_dir: Path) -> Path | None:

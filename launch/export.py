@@ -29,6 +29,9 @@ from typing import Any
 
 SETTINGS_FILE = "arctic_rl.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# Files of the source model directory an export needs besides the weights and config.
+_SIDE_FILES = ("tokenizer", "special_tokens", "vocab", "merges", "added_tokens", "chat_template", "generation_config",
+               "preprocessor_config")
 
 # What a model that was not trained here gets (BIRD's omnisql prompt, a reasoning model's budget).
 DEFAULT_SETTINGS = {"prompt_style": "omnisql", "sample_values": 3, "max_prompt_tokens": 8192,
@@ -60,11 +63,17 @@ def begin_export(final: str | Path) -> Path:
     return tmp
 
 
-def commit_export(tmp: str | Path, final: str | Path, settings: dict[str, Any]) -> Path:
-    """Adds the settings file to a fully written temp directory and renames it to `final`."""
+def commit_export(tmp: str | Path, final: str | Path, settings: dict[str, Any], source: str | Path | None = None) -> Path:
+    """Adds the settings file (and any tokenizer / chat template / generation config file of the
+    `source` model directory the writer did not copy) to a fully written temp directory and renames
+    it to `final`."""
     tmp, final = Path(tmp), Path(final)
     if not (tmp / "config.json").is_file():
         raise ExportError(f"export {tmp} has no config.json: the writer did not finish; nothing was renamed")
+    if source is not None and Path(source).is_dir():
+        for f in Path(source).iterdir():
+            if f.is_file() and f.name.startswith(_SIDE_FILES) and not (tmp / f.name).exists():
+                shutil.copy2(f, tmp / f.name)
     (tmp / SETTINGS_FILE).write_text(json.dumps(settings, indent=1, sort_keys=True))
     _fsync_tree(tmp)
     old = final.parent / f".old-{final.name}"
@@ -74,6 +83,25 @@ def commit_export(tmp: str | Path, final: str | Path, settings: dict[str, Any]) 
     os.rename(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """A small file replaced whole (temp file + fsync + rename): readers see the old or the new text."""
+    path = Path(path)
+    tmp = path.parent / f".tmp-{path.name}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def source_model_dir(cfg: Any, run_dir: str | Path) -> Path | None:
+    """The directory the run's model (and tokenizer) came from: the tiny build under the run, or model.path."""
+    if cfg.model.source == "tiny":
+        return Path(run_dir) / "model"
+    src = cfg.model.tokenizer or cfg.model.path
+    return Path(src) if src and Path(src).is_dir() else None
 
 
 def _fsync_tree(path: Path) -> None:

@@ -84,3 +84,53 @@ def test_bad_predictions_exit_2_with_one_line(bird, tmp_path, capsys, content, m
 def test_bad_bird_dir_exits_2(tmp_path, capsys):
     assert main(["--bird-dir", str(tmp_path / "missing"), "--predictions", str(tmp_path / "p.json")]) == 2
     assert "BIRD directory not found" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    from tests.tiny_export import build
+
+    return build(tmp_path_factory.mktemp("evalmodel"))
+
+
+def _total_line(text: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith("total"))
+
+
+def test_model_accuracy_equals_scoring_its_own_predictions_file(export, tmp_path, capsys):
+    model, bird = export
+    out = tmp_path / "ev"
+    assert main(["--bird-dir", str(bird), "--model", str(model), "--engine", "transformers", "--device", "cpu",
+                 "--out-dir", str(out), "--workers", "1", "--timeout", "5"]) == 0
+    generated = capsys.readouterr().out
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    qs = load_split(bird, "dev")
+    assert [r["question_id"] for r in rows] == [q.question_id for q in qs]
+    assert 0 < sum(r["correct"] for r in rows) <= len(qs)  # the tiny export learnt some of its questions
+    assert all(r["sql"] in r["completion"] for r in rows)  # the SQL extracted from the completion
+    official = json.loads((out / "predict_dev.json").read_text())
+    assert sorted(official, key=int) == [str(i) for i in range(len(qs))]
+    assert main(["--bird-dir", str(bird), "--predictions", str(out / "predict_dev.json"), "--workers", "1",
+                 "--timeout", "5"]) == 0
+    rescored = capsys.readouterr().out
+    assert _total_line(rescored) == _total_line(generated)
+    assert "simple" in generated and "predictions:" in generated
+
+
+def test_model_samples_majority_vote_and_pass_at_k(export, tmp_path, capsys):
+    model, bird = export
+    out = tmp_path / "ev"
+    assert main(["--bird-dir", str(bird), "--model", str(model), "--engine", "transformers", "--device", "cpu",
+                 "--samples", "3", "--temperature", "1.0", "--limit", "4", "--out-dir", str(out), "--workers", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "pass@3 " in printed
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(len(r["sample_sqls"]) == 3 for r in rows)
+    for r in rows:
+        assert r["votes"] <= 3 and (not r["correct"] or r["pass_at_k"])  # a correct vote is a passing sample
+        assert r["sql"] in [s for s in r["sample_sqls"] if s] + [""]
+
+
+def test_model_that_is_not_an_export_exits_2(tmp_path, bird, capsys):
+    assert main(["--bird-dir", str(bird), "--model", str(tmp_path)]) == 2
+    assert "has no config.json" in capsys.readouterr().err

@@ -37,6 +37,8 @@ def build(root: Path, questions: int = 40, sft_steps: int = 60) -> tuple[Path, P
             + [tok.eos_token_id] for it in items]
     starts = [len(unpack_ids(it.prompt_tokens)) for it in items]
     torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a few ms of work per step: more threads only contend on a loaded machine
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     width = max(map(len, seqs))
@@ -54,6 +56,7 @@ def build(root: Path, questions: int = 40, sft_steps: int = 60) -> tuple[Path, P
         loss.backward()
         opt.step()
     model.eval()
+    torch.set_num_threads(threads)
     final = root / "hf" / "step_1"
     tmp = begin_export(final)
     model.save_pretrained(tmp)
