@@ -5,14 +5,22 @@ Invariants:
 - Overrides (`section.key=value`) are converted to the field's type; a bad key or value is a
   one-line ConfigError naming the key and, for unknown keys, the closest valid ones.
 - Nested dict fields (engine kwargs) stay plain dicts all the way into the engines.
+- Off-policy correction is on unless a user turned it off: `validate` replaces
+  `learner.correction="auto"` by what the run needs (`resolve_correction`), so the config a run
+  prints and saves says which correction the learner applies. An explicit "off" where generation
+  can be off-policy (async with max_staleness > 0, or an engine other than the learner's numerics)
+  is accepted with a logged warning.
 """
 from __future__ import annotations
 
 import difflib
 import json
+import logging
 from typing import Any, Literal
 
 import msgspec
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -76,6 +84,10 @@ class GeneratorConfig(_Section):
     seed: int = 0
     device: str = "auto"  # transformers engine: "cpu", "cuda" or "auto"
     max_batch_prompts: int = 16  # transformers engine: prompts batched into one generate
+    # Async mode: at a weight update engines interrupt in-flight requests, load the new weights and
+    # continue them from their tokens (a sample's tokens may span versions). false: the boundary waits
+    # for every in-flight request, as colocated mode always does.
+    partial_rollouts: bool = True
     engine_kwargs: dict[str, Any] = {}  # passed to the engine as a plain (deep-converted) dict
     num_cpus: float = 1.0  # Ray CPU request per generator actor
 
@@ -116,7 +128,12 @@ class LearnerConfig(_Section):
     loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
-    tis_cap: float = 0.0  # >0: truncated importance weight against the sampler's log-probs
+    tis_cap: float = 0.0  # legacy: >0 is correction="tis" with this cap
+    # Importance weight from the learner's proximal log-probs to the sampler's (policies/offpolicy.py):
+    # "tis" truncated at correction_cap, "mis" tokens outside [1/cap, cap] masked, "mis_seq" whole
+    # samples masked by their geometric-mean ratio, "off" no weight. "auto": see resolve_correction.
+    correction: Literal["auto", "tis", "mis", "mis_seq", "off"] = "auto"
+    correction_cap: float = 2.0
     use_liger: bool = False  # CUDA: liger's fused linear-CE log-prob head (logits never materialised)
     liger_kernels: bool = True  # with use_liger: also liger's RoPE / RMSNorm / SwiGLU kernels in the model
     gradient_checkpointing: bool = False
@@ -282,7 +299,30 @@ def validate(data: dict) -> RunConfig:
             raise ConfigError(f"config key {path.rstrip('`')!r}: {text.strip()}") from None
         raise ConfigError(f"config: {msg}") from None
     check(cfg)
+    cfg.learner.correction, cfg.learner.correction_cap = resolve_correction(cfg)
     return cfg
+
+
+def may_be_off_policy(cfg: RunConfig) -> str:
+    """Why the sampler's log-probs can differ from the learner's proximal ones ("" if they cannot)."""
+    if cfg.coordinator.mode == "async" and cfg.assembler.max_staleness > 0:
+        return f"async with assembler.max_staleness={cfg.assembler.max_staleness}"
+    if cfg.generator.engine != "transformers":
+        return f"generator.engine={cfg.generator.engine!r} samples with other kernels than the learner"
+    if cfg.model.dtype != cfg.learner.dtype:
+        return f"the engine runs {cfg.model.dtype}, the learner {cfg.learner.dtype}"
+    return ""
+
+
+def resolve_correction(cfg: RunConfig) -> tuple[str, float]:
+    """(mode, cap) the learner applies: an explicit learner.correction as given; "auto" is the legacy
+    tis_cap when set, else "tis" at correction_cap whenever may_be_off_policy, else "off"."""
+    lc = cfg.learner
+    if lc.correction != "auto":
+        return lc.correction, lc.correction_cap
+    if lc.tis_cap > 0:
+        return "tis", lc.tis_cap
+    return ("tis" if may_be_off_policy(cfg) else "off"), lc.correction_cap
 
 
 def check(cfg: RunConfig) -> None:
@@ -312,6 +352,18 @@ def check(cfg: RunConfig) -> None:
     need(cfg.scorer.workers >= 1, "scorer.workers", "must be >= 1")
     need(cfg.cluster.max_relaunches >= 0, "cluster.max_relaunches", "must be >= 0")
     need(cfg.scorer.timeout_s > 0, "scorer.timeout_s", "must be > 0")
+    if cfg.learner.correction in ("mis", "mis_seq"):
+        need(cfg.learner.correction_cap > 1, "learner.correction_cap", "must be > 1 for masked correction "
+             "(tokens with ratios in [1/cap, cap] are kept)")
+    need(cfg.learner.correction_cap > 0, "learner.correction_cap", "must be > 0")
+    need(cfg.learner.tis_cap >= 0, "learner.tis_cap", "must be >= 0")
+    need(cfg.learner.tis_cap == 0 or cfg.learner.correction in ("auto", "tis"), "learner.tis_cap",
+         f"is the legacy switch for correction='tis'; with learner.correction={cfg.learner.correction!r} leave it 0 "
+         "and set learner.correction_cap")
+    why = may_be_off_policy(cfg)
+    if cfg.learner.correction == "off" and why:
+        log.warning("learner.correction='off' although generation is off-policy (%s): the loss is not "
+                    "corrected for the behaviour policy", why)
     need(cfg.coordinator.mode == "async" or cfg.assembler.max_staleness == 0,
          "assembler.max_staleness", "must be 0 in colocated mode (generation is on-policy)")
 

@@ -7,8 +7,11 @@ Invariants:
   accumulation therefore changes nothing but memory.
 - Tokens where `mask` is False (prompt, padding) contribute nothing to the loss or the metrics.
 - When `logprobs == old_logprobs` the ratio is exactly 1: ppo_kl and clipfrac are exactly 0.
-- Importance weights against the sampler (`gen_logprobs`, `tis_cap`) are detached: they rescale
-  the gradient of a stale sample and never receive gradient themselves.
+- Importance weights against the behaviour policy (`gen_logprobs`: the sampler's log-probs) are
+  detached: they rescale the gradient of a stale or mismatched token and never receive gradient.
+  `old_logprobs` is the proximal policy (recomputed by the learner); the weights and their modes
+  are policies.offpolicy's. `correction=None` keeps the legacy switch: TIS at `tis_cap` when
+  `tis_cap > 0`, else no weight (mismatch_kl is still reported).
 - Every metric is a python float.
 """
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+
+from policies.offpolicy import importance_weights, segment_sums
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean"]
 
@@ -49,20 +54,10 @@ def _aggregate(values: torch.Tensor, mask: torch.Tensor, agg: LossAgg, normalize
         denom = mask.sum().clamp(min=1).to(values.dtype) if normalizer is None else normalizer
         return values.sum() / denom
     if agg == "seq-mean-token-mean":
-        if seq_ids is None:
-            if values.ndim != 2:
-                raise ValueError("seq-mean-token-mean on flat (packed) tokens needs seq_ids")
-            seq_ids = torch.arange(values.shape[0], device=values.device)[:, None].expand_as(values)
-        ids = torch.where(mask, seq_ids, torch.full_like(seq_ids, -1)).reshape(-1)
-        valid = ids >= 0
-        ids_v, vals_v = ids[valid], values.reshape(-1)[valid]
-        if ids_v.numel() == 0:
+        per_seq_sum, per_seq_len, _, _ = segment_sums(values, mask, seq_ids)
+        if len(per_seq_sum) == 0:
             return values.sum() * 0.0
-        uniq, inverse = torch.unique(ids_v, return_inverse=True)
-        per_seq_sum = torch.zeros(len(uniq), dtype=values.dtype, device=values.device).index_add(0, inverse, vals_v)
-        per_seq_len = torch.zeros(len(uniq), dtype=values.dtype, device=values.device).index_add(
-            0, inverse, torch.ones_like(vals_v))
-        denom = float(len(uniq)) if normalizer is None else normalizer
+        denom = float(len(per_seq_sum)) if normalizer is None else normalizer
         return (per_seq_sum / per_seq_len).sum() / denom
     raise ValueError(f"unknown loss aggregation {agg!r} (token-mean | seq-mean-token-mean)")
 
@@ -78,6 +73,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 kl_coef: float = 0.0, entropy: torch.Tensor | None = None, entropy_coef: float = 0.0,
                 gen_logprobs: torch.Tensor | None = None, tis_cap: float = 0.0,
                 seq_ids: torch.Tensor | None = None, normalizer: float | None = None,
+                correction: str | None = None, is_cap: float = 2.0,
                 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip loss with separate low/high clip ranges (clip-higher), per-token advantages.
 
@@ -85,7 +81,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     sample's advantage broadcast over its tokens. `mask` selects the completion tokens.
     loss = agg(max(-A r, -A clip(r, 1-clip_low, 1+clip_high)) * w) + kl_coef agg(k3)
            - entropy_coef agg(entropy), with r = exp(logprobs - old_logprobs) and
-    w = min(exp(old_logprobs - gen_logprobs), tis_cap) (detached; 1 when tis_cap == 0).
+    w = policies.offpolicy.importance_weights(old_logprobs, gen_logprobs, mode, cap) (detached), with
+    mode, cap = correction, is_cap; or, when correction is None, ("tis", tis_cap) if tis_cap > 0 else no
+    weight (the legacy switch). Without gen_logprobs, w = 1.
     `normalizer`: see the module invariant; None uses this call's own count.
     `seq_ids`: the sample of each token, needed for "seq-mean-token-mean" on flat tokens.
     Metrics are means over this call's valid tokens (weight them by `num_tokens` to combine).
@@ -106,14 +104,17 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
 
     metrics: dict[str, float] = {}
     if gen_logprobs is not None:
-        # Sampler/learner mismatch: k3 estimate of KL(sampler || learner's old policy) over the sampled tokens.
-        d = (old_logprobs - gen_logprobs).detach()
-        metrics["mismatch_kl"] = _masked_mean(torch.exp(d) - 1.0 - d, mask)
-    if gen_logprobs is not None and tis_cap > 0:
-        tis_weight = torch.exp(old_logprobs - gen_logprobs).clamp(max=tis_cap).detach()
-        pg_per_token = pg_per_token * tis_weight
-        metrics["tis_weight_mean"] = _masked_mean(tis_weight, mask)
-        metrics["tis_capped_frac"] = _masked_mean((tis_weight >= tis_cap).to(ratio.dtype), mask)
+        legacy = correction is None
+        mode = ("tis" if tis_cap > 0 else "off") if legacy else correction
+        weight, is_metrics = importance_weights(old_logprobs, gen_logprobs, mask, mode, tis_cap if legacy else is_cap,
+                                                seq_ids=seq_ids)
+        metrics["mismatch_kl"] = is_metrics["mismatch_kl"]
+        if mode != "off":
+            pg_per_token = pg_per_token * weight
+            metrics.update({k: v for k, v in is_metrics.items() if k.startswith("is_")})
+        if legacy and mode == "tis":  # the names the tis_cap switch always reported
+            metrics["tis_weight_mean"] = is_metrics["is_weight_mean"]
+            metrics["tis_capped_frac"] = _masked_mean((weight >= tis_cap).to(ratio.dtype), mask)
 
     pg_loss = _aggregate(pg_per_token, mask, agg, normalizer, seq_ids)
     loss = pg_loss
