@@ -2,7 +2,8 @@
 
 Invariants:
 - Every task the coordinator asks about ends with exactly one outcome: "trained", or dropped as
-  "filtered" (zero-variance rewards), "stale" (older than max_staleness versions), "gold_failed"
+  "filtered" (zero-variance rewards), "stale" (its OLDEST token more than max_staleness versions
+  behind: a partial rollout is as old as its first token), "gold_failed"
   or "failed" (generation error). A redelivered ScoredGroup (same task) is acked and ignored:
   it is never trained twice.
 - A step's ScoredGroups are acked only after its TrainBatch is on the batches stream. If this
@@ -10,6 +11,9 @@ Invariants:
   them back, and the batch is rebuilt identically; the learner ignores a second batch for a step
   it already trained.
 - Packing follows policies.packing: every kept sample lands in exactly one micro-batch.
+- Staleness metrics are over the tokens of the trained groups, in versions behind the step's
+  version: mean, max, the fraction of tokens at each lag (`tokens_lag<k>_frac`, summing to 1) and
+  the fraction of samples whose tokens span more than one version (partial rollouts).
 """
 from __future__ import annotations
 
@@ -19,13 +23,14 @@ import os
 import time
 from typing import Any
 
+import numpy as np
 import structlog
 import torch
 
 from launch.config import AssemblerConfig
 from policies.grpo import group_advantages
 from policies.packing import plan_micro_batches, split_minibatches
-from queues.messages import ScoredGroup, TrainBatch, TrainGroup, codec, unpack_ids
+from queues.messages import ScoredGroup, TrainBatch, TrainGroup, codec, oldest_version, sample_versions, unpack_ids
 
 log = structlog.get_logger("arctic_rl.assembler")
 
@@ -39,7 +44,7 @@ def admit(group: ScoredGroup, version: int, cfg: AssemblerConfig) -> str:
         return FAILED
     if group.gold_failed:
         return GOLD_FAILED
-    if version - group.rollout.policy_version > cfg.max_staleness:
+    if version - oldest_version(group.rollout) > cfg.max_staleness:
         return STALE
     if cfg.filter_zero_variance and len(set(group.rewards)) <= 1:
         return FILTERED
@@ -58,7 +63,7 @@ def build_batch(step: int, version: int, groups: list[ScoredGroup], cfg: Assembl
         train_groups.append(TrainGroup(
             prompt_id=g.rollout.task.prompt_id, prompt_tokens=prompt,
             completions=[s.tokens for s in g.rollout.samples], gen_logprobs=[s.logprobs for s in g.rollout.samples],
-            advantages=[float(a) for a in adv[0]], rewards=list(g.rewards), policy_version=g.rollout.policy_version))
+            advantages=[float(a) for a in adv[0]], rewards=list(g.rewards), policy_version=oldest_version(g.rollout)))
         prompt_len = len(prompt) // 4
         for si, s in enumerate(g.rollout.samples):
             flat.append((gi, si))
@@ -76,6 +81,26 @@ def task_step(key: str) -> int | None:
     head = key[len("eval:"):] if key.startswith("eval:") else key
     head = head.split(":", 1)[0]
     return int(head) if head.lstrip("-").isdigit() else None
+
+
+def staleness_metrics(groups: list[ScoredGroup], version: int) -> dict[str, float]:
+    """Token staleness of the trained groups against `version` (see the module invariant; pure)."""
+    lags: dict[int, int] = {}
+    partial = samples = 0
+    for g in groups:
+        for s in g.rollout.samples:
+            v = sample_versions(s, g.rollout.policy_version)
+            samples += 1
+            if len(v):
+                partial += int(v.min() != v.max())
+                for lag, count in zip(*np.unique(version - v, return_counts=True)):
+                    lags[int(lag)] = lags.get(int(lag), 0) + int(count)
+    tokens = sum(lags.values())
+    m = {"staleness_mean": sum(k * c for k, c in lags.items()) / tokens if tokens else 0.0,
+         "staleness_max": float(max(lags, default=0)),
+         "partial_samples_frac": partial / samples if samples else 0.0}
+    m.update({f"tokens_lag{k}_frac": c / tokens for k, c in sorted(lags.items())})
+    return m
 
 
 def step_metrics(groups: list[ScoredGroup], outcomes: dict[str, str]) -> dict[str, float]:
@@ -218,6 +243,7 @@ class Assembler:
         if set(outcomes) != set(task_ids):
             raise RuntimeError(f"step {step}: outcomes for {len(outcomes)} tasks, {len(set(task_ids))} published")
         metrics = step_metrics(groups, outcomes)
+        metrics.update(staleness_metrics(kept, version))
         metrics["duplicates_ignored"] = float(self.duplicates)
         published = False
         if kept:

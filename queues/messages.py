@@ -2,7 +2,12 @@
 
 Invariants:
 - Every message carries `schema`; a decoder refuses a schema it does not know, with a one-line
-  error, instead of misreading fields.
+  error, instead of misreading fields. Schema 2 added per-token policy versions (`Sample.versions`);
+  a schema-1 message still decodes and its tokens all carry the group's `policy_version`.
+- Per-token versions: `Sample.versions` is empty (every token was produced by the group's
+  `policy_version`) or packed int32, one per token, non-decreasing (a partial rollout continued
+  across weight updates). A group's `policy_version` is its OLDEST token's version
+  (`oldest_version`), the one staleness admission counts.
 - Token ids travel as packed little-endian int32 bytes and per-token floats as float32 bytes,
   never as Python lists (a 16 x 1,200-token group is ~77 KB, not ~1 MB of msgpack ints).
 - A RolloutGroup holds its prompt once (inside its PromptTask), however many samples it has.
@@ -15,7 +20,8 @@ from typing import Any, TypeVar
 import msgspec
 import numpy as np
 
-SCHEMA = 1
+SCHEMA = 2
+READABLE_SCHEMAS = (1, 2)  # schema 1: no Sample.versions
 
 
 class SchemaError(ValueError):
@@ -72,6 +78,24 @@ class Sample(msgspec.Struct, kw_only=True):
     logprobs: bytes  # packed float32, the sampler's log-prob of each sampled token
     finish_reason: str  # "stop" | "length" | "abort" | "error"
     text: str = ""
+    versions: bytes = b""  # packed int32, the policy version of each token; b"": all the group's
+
+
+def sample_versions(sample: Sample, group_version: int) -> np.ndarray:
+    """The policy version of each of `sample`'s tokens (int32 array, one per token)."""
+    n = len(sample.tokens) // 4
+    if not sample.versions:
+        return np.full(n, group_version, dtype="<i4")
+    v = unpack_ids(sample.versions)
+    if len(v) != n:
+        raise ValueError(f"Sample.versions has {len(v)} entries for {n} tokens")
+    return v
+
+
+def oldest_version(group: "RolloutGroup") -> int:
+    """The version of the group's oldest token (its policy_version when no sample says more)."""
+    olds = [int(unpack_ids(s.versions).min()) for s in group.samples if s.versions]
+    return min([group.policy_version, *olds])
 
 
 class RolloutGroup(Message, kw_only=True):
@@ -79,7 +103,7 @@ class RolloutGroup(Message, kw_only=True):
 
     task: PromptTask
     samples: list[Sample]
-    policy_version: int  # the weights version that actually produced the samples
+    policy_version: int  # the weights version that produced the samples' first tokens (the oldest)
     generator_id: str = ""
     error: str = ""  # non-empty: the task could not be generated (samples may be empty)
     queued_at: float = 0.0  # when the generator pulled the task
@@ -161,8 +185,9 @@ class Codec:
             msg = self._dec.decode(buf)
         except msgspec.ValidationError as e:
             raise SchemaError(f"cannot decode {self.kind.__name__}: {e}") from None
-        if msg.schema != SCHEMA:
-            raise SchemaError(f"{self.kind.__name__} has schema {msg.schema}, this code reads schema {SCHEMA}")
+        if msg.schema not in READABLE_SCHEMAS:
+            raise SchemaError(f"{self.kind.__name__} has schema {msg.schema}, this code reads schemas "
+                              f"{', '.join(map(str, READABLE_SCHEMAS))}")
         return msg
 
 

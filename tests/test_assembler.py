@@ -1,7 +1,8 @@
 """Assembler: outcomes, staleness, dedup and ack-after-publish, against a real redis-server."""
 import asyncio
 
-from actors.assembler import FAILED, FILTERED, GOLD_FAILED, STALE, TRAINED, Assembler, admit, build_batch
+from actors.assembler import (FAILED, FILTERED, GOLD_FAILED, STALE, TRAINED, Assembler, admit, build_batch,
+                              staleness_metrics)
 from launch.config import AssemblerConfig
 from queues.messages import (PromptTask, RolloutGroup, Sample, ScoredGroup, TrainBatch, codec, pack_floats,
                              pack_ids)
@@ -26,6 +27,22 @@ def test_every_group_gets_one_outcome():
     assert admit(scored("c", [1.0, 0.0], version=1), 2, cfg) == TRAINED
     assert admit(scored("d", [1.0, 0.0], gold_failed=True), 0, cfg) == GOLD_FAILED
     assert admit(scored("e", [], error="empty prompt"), 0, cfg) == FAILED
+
+
+def test_a_partial_rollout_is_admitted_by_its_oldest_token_and_its_staleness_is_measured_per_token():
+    cfg = AssemblerConfig(max_staleness=1)
+    g = scored("p", [1.0, 0.0], version=2, completion_len=4)
+    g.rollout.samples[0].versions = pack_ids([2, 2, 3, 4])  # continued across two weight updates
+    g.rollout.policy_version = 2
+    assert admit(g, 3, cfg) == TRAINED and admit(g, 4, cfg) == STALE  # the first token decides, not the last
+    assert build_batch(0, 3, [g], cfg).groups[0].policy_version == 2
+    m = staleness_metrics([g, scored("q", [1.0, 0.0], version=3, completion_len=2)], 4)
+    # lags per token: [2, 2, 1, 0] + [2, 2, 2, 2] (second sample of g, at its group version) + [1, 1] x 2
+    lags = [2, 2, 1, 0] + [2] * 4 + [1] * 4
+    assert m["staleness_mean"] == sum(lags) / len(lags) and m["staleness_max"] == 2.0
+    assert (m["tokens_lag0_frac"], m["tokens_lag1_frac"], m["tokens_lag2_frac"]) == (1 / 12, 5 / 12, 6 / 12)
+    assert m["partial_samples_frac"] == 1 / 4
+    assert staleness_metrics([], 0) == {"staleness_mean": 0.0, "staleness_max": 0.0, "partial_samples_frac": 0.0}
 
 
 def test_batch_packs_every_kept_sample_once_within_budget():

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from queues.messages import (SCHEMA, Event, PromptTask, RolloutGroup, Sample, SchemaError, ScoredGroup, TrainBatch,
-                             TrainGroup, codec, pack_floats, pack_ids, unpack_floats, unpack_ids)
+                             TrainGroup, codec, oldest_version, pack_floats, pack_ids, sample_versions, unpack_floats,
+                             unpack_ids)
 
 
 def _task():
@@ -47,8 +48,37 @@ def test_token_ids_travel_as_packed_int32_not_lists():
 
 def test_unknown_schema_is_refused_with_a_clear_error():
     future = msgspec.structs.replace(_task(), schema=SCHEMA + 1)
-    with pytest.raises(SchemaError, match="schema 2"):
+    with pytest.raises(SchemaError, match=f"schema {SCHEMA + 1}, this code reads schemas 1, 2"):
         codec(PromptTask).decode(codec(PromptTask).encode(future))
+
+
+def test_schema_1_groups_without_token_versions_still_decode_at_the_group_version():
+    class OldSample(msgspec.Struct, kw_only=True):  # schema 1's Sample: no versions field
+        tokens: bytes
+        logprobs: bytes
+        finish_reason: str
+        text: str = ""
+
+    class OldGroup(msgspec.Struct, kw_only=True):
+        schema: int
+        task: PromptTask
+        samples: list[OldSample]
+        policy_version: int
+
+    old = OldGroup(schema=1, task=_task(), policy_version=4,
+                   samples=[OldSample(tokens=pack_ids([5, 6, 7]), logprobs=pack_floats([-1, -2, -3]), finish_reason="stop")])
+    group = codec(RolloutGroup).decode(msgspec.msgpack.encode(old))
+    assert sample_versions(group.samples[0], group.policy_version).tolist() == [4, 4, 4]
+    assert oldest_version(group) == 4
+    # A partial rollout: per-token versions, the oldest is what admission counts.
+    group.samples.append(Sample(tokens=pack_ids([1, 2, 3, 4]), logprobs=pack_floats([0] * 4), finish_reason="stop",
+                                versions=pack_ids([3, 3, 4, 5])))
+    again = codec(RolloutGroup).decode(codec(RolloutGroup).encode(group))
+    assert oldest_version(again) == 3
+    assert sample_versions(again.samples[1], again.policy_version).tolist() == [3, 3, 4, 5]
+    with pytest.raises(ValueError, match="Sample.versions has 2 entries for 3 tokens"):
+        sample_versions(Sample(tokens=pack_ids([1, 2, 3]), logprobs=b"", finish_reason="stop",
+                               versions=pack_ids([1, 2])), 0)
 
 
 def test_wrong_type_is_a_one_line_error():
