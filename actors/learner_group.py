@@ -91,7 +91,7 @@ class LearnerGroup:
         """
         import ray
 
-        from actors.learner import LearnerActor
+        from actors.learner_actor import LearnerActor
 
         n = int(cfg.learner.num_ranks)
         if n < 1:

@@ -61,7 +61,7 @@ def test_checkpoints_export_prune_and_resume_through_the_coordinator(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from actors.coordinator import Coordinator
-    from actors.learner import LearnerShell
+    from actors.learner_actor import LearnerShell
     from launch.recipes import tiny
     from tasks.tiny_model import build_tiny
 

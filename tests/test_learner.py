@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from actors.learner import Learner, lr_lambda
+from actors.learner import Learner
+from actors.learner_engine import lr_lambda
 from launch.config import LearnerConfig, ModelConfig
 from policies.packing import plan_micro_batches, split_minibatches
 from queues.messages import TrainBatch, TrainGroup, pack_floats, pack_ids

@@ -2,11 +2,39 @@
 micro-batches across ranks, 2 ranks == 1 rank for every ZeRO stage, checkpoints of one world size."""
 from __future__ import annotations
 
+import contextlib
 import random
+from pathlib import Path
 
 import pytest
 
 from policies.shard import split_across_ranks
+from tests.test_learner import MODEL_CFG, TEMPERATURE, make_batch, model_dir  # noqa: F401 - model_dir: a fixture
+
+
+@contextlib.contextmanager
+def _local_ray():
+    """tests/conftest.py's local_ray, for a module-scoped fixture (its own temp dir; workers import this repo)."""
+    import os
+    import shutil
+    import tempfile
+
+    import ray
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = root + os.pathsep + (saved or "")
+    temp_dir = tempfile.mkdtemp(prefix="ray-test-", dir="/tmp")
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -35,3 +63,129 @@ def test_split_refuses_bad_input_by_name():
         split_across_ranks([1, 2], 0)
     with pytest.raises(ValueError, match="token counts"):
         split_across_ranks([1, -2], 2)
+
+
+# ----------------------------------------------------------------------------- 2 ranks == 1 rank
+
+STAGES = [0, 1, 2, 3]
+
+
+def _run_cfg(zero_stage: int):
+    from launch.config import LearnerConfig
+    from launch.recipes import tiny
+
+    cfg = tiny()
+    cfg.model = MODEL_CFG
+    cfg.generator.temperature = TEMPERATURE
+    cfg.assembler.micro_batch_tokens = 64
+    cfg.learner = LearnerConfig(zero_stage=zero_stage, dtype="float32", lr=1e-3, update_epochs=2, device="cpu",
+                                grad_clip=1.0, num_cpus=0.5, num_ranks=2)
+    return cfg
+
+
+def _weights(path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def ranks_vs_one(model_dir, tmp_path_factory):
+    """Per ZeRO stage: one step (2 update epochs: 2 optimizer steps) of a 2-rank LearnerGroup over
+    gloo, its batch read by rank 0 from a real Redis stream, and of one in-process rank on the same
+    batch; their metrics and exported weights. The ZeRO-1 group also saves a checkpoint."""
+    import asyncio
+
+    import ray
+
+    from actors.learner import Learner
+    from actors.learner_group import LearnerGroup
+    from queues.messages import TrainBatch, codec
+    from queues.redis_server import EmbeddedRedis
+    from queues.streams import Stream, connect
+
+    root = tmp_path_factory.mktemp("ranks")
+    batch = make_batch(seed=11, groups=3, n=4, budget=44)  # 5 micro-batches
+    async def publish(url: str, run_id: str) -> None:
+        stream = Stream(await connect(url), run_id, "batches", group="learner")
+        await stream.ensure_group()
+        await stream.publish(codec(TrainBatch).encode(batch))
+
+    out = {"batch": batch, "root": root, "stages": {}}
+    with EmbeddedRedis(root) as redis, _local_ray():
+        for stage in STAGES:
+            cfg = _run_cfg(stage)
+            one = Learner(cfg.learner, cfg.model, model_dir, total_steps=10, micro_batch_tokens=64,
+                          temperature=TEMPERATURE)
+            m1 = one.train_step(batch)
+            one.export_hf(str(root / f"one{stage}"))
+            del one
+            group = LearnerGroup.create(cfg, model_dir, 10, str(root), f"z{stage}")
+            try:
+                asyncio.run(group.connect(redis.url, f"z{stage}"))
+                asyncio.run(publish(redis.url, f"z{stage}"))
+                m2 = asyncio.run(group.train_from_stream(0, timeout_s=120))
+                asyncio.run(group.export_hf(str(root / f"two{stage}")))
+                if stage == 1:
+                    asyncio.run(group.save(str(root / "ckpt2")))
+            finally:
+                group.kill()
+            out["stages"][stage] = (m1, m2, _weights(root / f"one{stage}"), _weights(root / f"two{stage}"))
+    return out
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_two_ranks_train_one_step_exactly_as_one_rank(ranks_vs_one, model_dir, stage):
+    """The same weights (float32, 1e-5; an Adam step here moves them by up to 1e-3), the same grad norm
+    and metrics. Adam's update is blind to a uniform gradient scale, so the grad norm is what
+    catches a wrong world-size scaling; the weights catch a wrong split or normaliser."""
+    batch = ranks_vs_one["batch"]
+    assert len(batch.micro_batches) % 2 == 1  # odd: one rank runs an empty micro-batch
+    m1, m2, w1, w2 = ranks_vs_one["stages"][stage]
+    start = _weights(model_dir)
+    assert w1.keys() == w2.keys()
+    worst = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
+    moved = max(float((w1[k] - start[k]).abs().max()) for k in w1)
+    assert worst <= 1e-5 < 1e-4 < moved, (worst, moved)
+    assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-5)
+    for k in ("pg_loss", "loss", "ratio_mean", "ppo_kl", "clipfrac", "epoch1/ratio_max", "epoch1/clipfrac"):
+        assert m2[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-7), (k, m1[k], m2[k])
+    assert m1["epoch1/clipfrac"] > 0  # the second epoch's clipping is compared, not two zeros
+    assert (m2["num_loss_tokens"], m2["micro_batches"], m2["train_groups"]) == \
+           (m1["num_loss_tokens"], m1["micro_batches"], float(len(batch.groups)))
+
+
+def test_a_checkpoint_of_two_ranks_refuses_to_resume_in_one_naming_both_sizes(ranks_vs_one, model_dir):
+    from actors.learner import Learner
+
+    cfg = _run_cfg(1)
+    one = Learner(cfg.learner, cfg.model, model_dir, total_steps=10, micro_batch_tokens=64, temperature=TEMPERATURE)
+    with pytest.raises(ValueError) as e:
+        one.load(str(ranks_vs_one["root"] / "ckpt2"))
+    msg = str(e.value)
+    assert "\n" not in msg and "saved by 2 learner rank" in msg and "learner.num_ranks=1" in msg, msg
+
+
+def test_tiny_with_two_learner_ranks_end_to_end(tmp_path):
+    """`tiny` with learner.num_ranks=2 (two processes over gloo; 0.25 CPU each so the 2-CPU cluster
+    still holds every other actor): every prompt has one outcome, every trained step was trained once,
+    with as many groups as the ledger says, and both ranks logged a world of 2."""
+    import json
+
+    from tests.test_tiny_e2e import OUTCOMES, run_tiny
+
+    steps = run_tiny(tmp_path, "ranks2", "data.limit=8", "learner.num_ranks=2", "learner.num_cpus=0.25",
+                     steps=3, sft_steps=25)
+    for r in steps:
+        assert r["prompts"] == sum(r.get(f"prompts_{k}", 0) for k in OUTCOMES) == 8, r
+    trained = sum(int(r.get("prompts_trained", 0)) for r in steps)
+    assert trained > 0
+    run_dir = tmp_path / "ranks2"
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert json.loads((latest / "learner" / "learner_world.json").read_text())["world_size"] == 2
+    counts = json.loads((latest / "learner" / "train_counts.json").read_text())
+    assert all(times == 1 for times, _ in counts.values()), counts  # nothing doubled
+    assert sum(groups for _, groups in counts.values()) == trained, counts  # nothing lost
+    for rank in (0, 1):
+        ready = [json.loads(line) for line in (run_dir / "logs" / f"learner-{rank}.jsonl").read_text().splitlines()]
+        assert [e["world_size"] for e in ready if e["event"] == "learner.ready"] == [2]

@@ -39,7 +39,7 @@ def _learner_generators_coordinator(tmp_path, weight_sync: str, colocated: list[
     """A LearnerActor on a fresh tiny model, one GeneratorActor per flag (Ray restarts them) and a
     Coordinator over them (no Redis, no assembler: only its sync and heal paths are called)."""
     from actors.generator import GeneratorActor
-    from actors.learner import LearnerActor
+    from actors.learner_actor import LearnerActor
     from launch.place import RESTART
 
     cfg = tiny()

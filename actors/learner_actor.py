@@ -1,0 +1,265 @@
+"""The learner's Ray shell: one rank actor (`LearnerActor`), the thin layer the coordinator and the
+LearnerGroup call; all training behaviour lives in actors/learner.py.
+
+Invariants:
+- Rank 0 alone reads the `batches` stream (consumer "learner-0"), keeps the ledger of trained steps
+  (saved with each checkpoint) and acks a batch only once its step is trained; a batch of a step
+  already trained is acked and skipped, so a resumed run never trains a step twice.
+- A world of one trains straight from the stream (`train_from_stream`); a larger world goes
+  through `take_batch` / `train_taken` + `train_bytes` / `finish_taken` driven by the group.
+- Weight-sync senders live here: rank 0 sends; under ZeRO-3 the other ranks run the same export
+  (its gathers are collective) and drop what it yields.
+- Importing this module never imports or starts Ray; `LearnerActor` is built on first use.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import structlog
+import torch
+
+from actors.learner import Learner
+from queues.messages import TrainBatch
+
+log = structlog.get_logger("arctic_rl.learner")
+
+
+class _ExportOnly:
+    """A weight-sync sender that runs the export (its ZeRO-3 gathers) and sends nothing."""
+
+    def __init__(self, export_weights, bucket_mb: float):
+        self.export_weights, self.bucket_mb, self._buckets = export_weights, bucket_mb, None
+
+    def start(self, version: int) -> None:
+        self._buckets = iter(self.export_weights(self.bucket_mb))
+
+    def next_bucket(self) -> None:
+        next(self._buckets, None)
+
+    def abort(self) -> None:
+        if self._buckets is not None and hasattr(self._buckets, "close"):
+            self._buckets.close()
+        self._buckets = None
+
+
+class LearnerShell:
+    """One learner rank: a Learner plus (rank 0) its batches stream, and its side of weight sync.
+
+    A world of one builds its Learner in the constructor; a rank of a larger world builds it in
+    `join`, once rank 0 `listen`s (actors/learner_group.py drives that).
+    """
+
+    def __init__(self, learner_cfg, model_cfg, model_path: str, total_steps: int, micro_batch_tokens: int,
+                 temperature: float = 1.0, run_dir: str = "", rank: int = 0, world_size: int = 1):
+        import torch
+
+        from launch.logs import setup_logging
+
+        torch.set_num_threads(max(1, int(learner_cfg.num_cpus)))
+        if run_dir:
+            setup_logging(run_dir, "learner" if world_size == 1 else f"learner-{rank}", console=False)
+        self.rank, self.world_size = int(rank), int(world_size)
+        self._args = (learner_cfg, model_cfg, model_path, total_steps, micro_batch_tokens, temperature)
+        self._store = None
+        self.learner = Learner(*self._args) if self.world_size == 1 else None
+        self.trained_steps: set[int] = set()
+        self.train_counts: dict[int, list[int]] = {}  # step -> [times trained, groups in its batch]
+        self.sender = None
+        self._taken = None  # (msg_id, batch) read from the stream, trained, not yet acked
+
+    def listen(self) -> tuple[str, int]:
+        """Rank 0 of a world > 1: binds the world's store; returns where the others connect."""
+        from actors.learner_group import bind_store
+
+        self._store, host, port = bind_store(self.world_size)
+        return host, port
+
+    def join(self, host: str, port: int) -> None:
+        """Every rank of a world > 1, concurrently: joins the process group, then builds the Learner
+        (deepspeed.initialize is collective)."""
+        from actors.learner_group import init_world
+
+        device = self._args[0].device
+        cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        init_world(self.rank, self.world_size, "nccl" if cuda else "gloo", store=self._store, host=host, port=port)
+        self.learner = Learner(*self._args)
+
+    async def connect(self, redis_url: str, run_id: str) -> None:
+        from queues.streams import Stream, connect
+
+        self.batches = Stream(await connect(redis_url), run_id, "batches", group="learner")
+        await self.batches.ensure_group()
+
+    async def _take(self, step: int, timeout_s: float) -> tuple[str, TrainBatch, bytes]:
+        """The batch for `step` from the stream; acks (and skips) batches of steps already trained."""
+        from queues.messages import codec
+
+        deadline = time.monotonic() + timeout_s
+        entries = await self.batches.pending_mine("learner-0")
+        while time.monotonic() < deadline:
+            if not entries:
+                entries = await self.batches.consume("learner-0", count=4, block_ms=500)
+            for msg_id, data in entries:
+                batch = codec(TrainBatch).decode(data)
+                if batch.step in self.trained_steps or batch.step < step:
+                    await self.batches.ack([msg_id])
+                    continue
+                if batch.step != step:
+                    continue  # a later step's batch: leave it pending for its turn
+                return msg_id, batch, data
+            entries = []
+        raise TimeoutError(f"learner: no TrainBatch for step {step} within {timeout_s:.0f}s")
+
+    async def _finish(self, msg_id: str, batch: TrainBatch, metrics: dict) -> dict:
+        self.trained_steps.add(batch.step)
+        count = self.train_counts.setdefault(batch.step, [0, 0])
+        count[0] += 1
+        count[1] += len(batch.groups)
+        await self.batches.ack([msg_id])
+        return dict(metrics, train_groups=float(len(batch.groups)))
+
+    async def train_from_stream(self, step: int, timeout_s: float = 600.0) -> dict:
+        """A world of one: trains on the batch for `step`, then acks it."""
+        import asyncio
+
+        msg_id, batch, _ = await self._take(step, timeout_s)
+        metrics = await asyncio.get_running_loop().run_in_executor(None, self.learner.train_step, batch)
+        return await self._finish(msg_id, batch, metrics)
+
+    async def take_batch(self, step: int, timeout_s: float = 600.0) -> list:
+        """Rank 0 of a world > 1: reads the step's batch and returns [ObjectRef of its bytes] for the
+        other ranks (a list, so Ray hands the reference through instead of resolving it)."""
+        import ray
+
+        msg_id, batch, data = await self._take(step, timeout_s)
+        self._taken = (msg_id, batch)
+        return [ray.put(data)]
+
+    async def train_taken(self) -> dict:
+        import asyncio
+
+        return await asyncio.get_running_loop().run_in_executor(None, self.learner.train_step, self._taken[1])
+
+    async def train_bytes(self, data: bytes) -> dict:
+        """Ranks > 0: the same step from the bytes rank 0 read."""
+        import asyncio
+
+        from queues.messages import codec
+
+        batch = codec(TrainBatch).decode(data)
+        return await asyncio.get_running_loop().run_in_executor(None, self.learner.train_step, batch)
+
+    async def finish_taken(self, metrics: dict) -> dict:
+        """Rank 0, after every rank trained: records the step and acks its message."""
+        (msg_id, batch), self._taken = self._taken, None
+        return await self._finish(msg_id, batch, metrics)
+
+    def sft_step(self, pairs, lr=None) -> float:
+        return self.learner.sft_step(pairs, lr=lr)
+
+    def weight_sync_start(self, version: int, kind: str, bucket_mb: int) -> None:
+        from actors import weight_sync
+
+        if kind == "object_store" and self.rank > 0:
+            # ZeRO-3: the gathers are collective; this rank exports in lockstep and drops its buckets.
+            self.sender = _ExportOnly(self.learner.export_weights, bucket_mb)
+        elif kind == "object_store":
+            self.sender = weight_sync.ObjectStoreSender(self.learner.export_weights, bucket_mb)
+        else:
+            self.sender = weight_sync.CudaIpcSender(lambda mb: self.learner.export_weights(mb, device="cuda"), bucket_mb)
+        self.sender.start(version)
+
+    def weight_sync_listen(self, world_size: int, bucket_mb: int):
+        """nccl transport, step 1: a new private group (NCCL on GPU, gloo on CPU) replaces any
+        previous one; binds its store and returns the rendezvous the generators join."""
+        from actors import weight_sync
+
+        old, self.broadcaster = getattr(self, "broadcaster", None), None
+        if old is not None:
+            try:
+                old.close()
+            except Exception as e:  # noqa: BLE001 - a broken group (a send may still be failing in its thread)
+                log.warning("learner.weight_sync_close_failed", error=repr(e)[:200])
+        device = self.learner.device
+        self.broadcaster = weight_sync.BroadcastSender(
+            lambda mb: self.learner.export_weights(mb, device=device), bucket_mb,
+            backend="nccl" if device.type == "cuda" else "gloo", device=device)
+        return self.broadcaster.listen(world_size)
+
+    async def weight_sync_init(self) -> None:
+        """Step 2, concurrently with every generator's weight_sync_join."""
+        import asyncio
+
+        await asyncio.to_thread(self.broadcaster.init)
+
+    async def weight_sync_broadcast(self, version: int) -> int:
+        """Each sync, concurrently with every generator's weight_sync_broadcast_receive."""
+        import asyncio
+
+        return (await asyncio.to_thread(self.broadcaster.send, version)).version
+
+    async def weight_sync_export_only(self) -> None:
+        """nccl under ZeRO-3, ranks > 0: the export's gathers, concurrently with rank 0's broadcast."""
+        import asyncio
+
+        await asyncio.to_thread(lambda: [None for _ in self.learner.export_weights()])
+
+    def weight_sync_next(self):
+        return self.sender.next_bucket()
+
+    def weight_sync_abort(self) -> None:
+        if self.sender is not None:
+            self.sender.abort()
+
+    def save(self, path: str) -> str:
+        import json
+        import os
+
+        out = self.learner.save(path)
+        if self.rank > 0:
+            return out
+        with open(os.path.join(path, "trained_steps.json"), "w") as f:
+            json.dump(sorted(self.trained_steps), f)
+        with open(os.path.join(path, "train_counts.json"), "w") as f:
+            json.dump({str(k): v for k, v in sorted(self.train_counts.items())}, f)
+        return out
+
+    def load(self, path: str) -> int:
+        import json
+        import os
+
+        step = self.learner.load(path)
+        marker = os.path.join(path, "trained_steps.json")
+        if os.path.exists(marker):
+            self.trained_steps = set(json.load(open(marker)))
+        counts = os.path.join(path, "train_counts.json")
+        if os.path.exists(counts):
+            self.train_counts = {int(k): v for k, v in json.load(open(counts)).items()}
+        return step
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def sleep(self) -> None:
+        self.learner.sleep()
+
+    def wake(self) -> None:
+        self.learner.wake()
+
+    def export_hf(self, path: str) -> str:
+        return self.learner.export_hf(path)
+
+    def get_step(self) -> int:
+        return self.learner.step
+
+
+def __getattr__(name: str):
+    # Built on first use so importing this module never imports or starts Ray.
+    if name == "LearnerActor":
+        import ray
+
+        actor = ray.remote(LearnerShell)
+        globals()["LearnerActor"] = actor
+        return actor
+    raise AttributeError(name)
