@@ -63,7 +63,8 @@ def begin_export(final: str | Path) -> Path:
     return tmp
 
 
-def commit_export(tmp: str | Path, final: str | Path, settings: dict[str, Any], source: str | Path | None = None) -> Path:
+def commit_export(tmp: str | Path, final: str | Path, settings: dict[str, Any],
+                  source: str | Path | None = None) -> Path:
     """Adds the settings file (and any tokenizer / chat template / generation config file of the
     `source` model directory the writer did not copy) to a fully written temp directory and renames
     it to `final`."""
@@ -178,6 +179,15 @@ def latest_export(run_dir: str | Path) -> Path | None:
     root = Path(run_dir) / "hf"
     found = [(int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else []) if (m := _STEP_DIR.match(p.name))]
     return max(found)[1] if found else None
+
+
+def next_steps(run_dir: str | Path, bird_dir: str | Path, split: str) -> str:
+    """The end-of-run lines that say how to evaluate and serve the run's final export ("" without one)."""
+    export = latest_export(run_dir)
+    if export is None:
+        return ""
+    args = f"--model {export} --bird-dir {bird_dir} --split {split}"
+    return f"\nevaluate: python -m launch.eval {args}\nserve:    python -m launch.serve {args}"
 
 
 def default_engine() -> str:

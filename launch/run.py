@@ -19,6 +19,7 @@ import msgspec
 
 from launch.config import ConfigError, RunConfig, check_inputs
 from tasks.bird import BirdDataError
+from launch.export import next_steps
 from launch.logs import setup_logging
 
 # Variables every actor gets, whether we started Ray or joined a cluster.
@@ -322,7 +323,8 @@ def run(cfg: RunConfig) -> int:
         log.info("run finished", **{k: v for k, v in summary.items() if k != "outcomes"}, **{
             f"prompts_{k}": v for k, v in summary["outcomes"].items()})
         print(f"run directory: {run_dir}\nmetrics: {run_dir / 'metrics.jsonl'}\n"
-              f"plot: python -m launch.report {run_dir}", flush=True)
+              f"plot: python -m launch.report {run_dir}" + next_steps(run_dir, bird_dir, cfg.data.eval_split),
+              flush=True)
         return 0
     except KeyboardInterrupt:
         interrupted["flag"] = True

@@ -26,6 +26,7 @@ Invariants:
 import argparse
 import asyncio
 import itertools
+import json
 import math
 import os
 import sys
@@ -109,8 +110,6 @@ async def read_json(request: Request) -> dict:
     raw = await request.body()
     if len(raw) > MAX_BODY_BYTES:
         raise BadRequest(413, f"body is {len(raw)} bytes, the limit is {MAX_BODY_BYTES}")
-    import json
-
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:

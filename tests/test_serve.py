@@ -53,6 +53,22 @@ def service(tmp_path_factory):
             os.environ["PYTHONPATH"] = old_pp
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--model", "{tmp}"], "has no config.json"),
+    (["--model", "{model}", "--split", "nope"], "databases directory not found"),
+    (["--model", "{model}", "--replicas", "0"], "--replicas and --max-batch-size must be >= 1"),
+])
+def test_cli_bad_input_exits_2_before_starting_ray(tmp_path, capsys, args, message):
+    from launch.serve import main
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    fill = {"{tmp}": str(tmp_path), "{model}": str(tmp_path / "m")}
+    assert main([fill.get(a, a) for a in args] + ["--bird-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
 def test_health_databases_and_page(service):
     client, _, _ = service
     assert client.get("/healthz").json()["status"] == "ok"
