@@ -16,12 +16,13 @@ Invariants:
 - `pause()` stops pulling and returns only when every in-flight group is published; `sleep`
   pauses first, then releases engine memory; `wake`/`load_weights`/`finish_weight_update`
   return when the engine is done. `resume()` starts pulling again.
+- `pause(interrupt=True)` (async mode with partial rollouts, on an engine that supports them)
+  returns as soon as the engine has parked its running requests: they stay in flight, keep their
+  tokens, and `resume()` continues them under the weights loaded meanwhile, so a weight update
+  never waits for the longest response. A waiting `pause()` or `sleep` continues parked requests
+  first (they must finish before it returns).
 
-`GeneratorActor` at the bottom is the thin Ray shell (an async actor) over the same methods. It
-takes the node-local GPU ids of its engine's bundles (`device_ids`, from the placement) and sets
-CUDA_VISIBLE_DEVICES to exactly those before the engine is built, so an engine's tensor-parallel
-workers land on them. Weight-sync messages go to the engine as they came when its weights live in
-its own worker processes (vLLM: `loads_in_workers`), else as tensors through `load_weights`.
+`GeneratorActor` (actors/generator_actor.py, importable from here too) is the thin Ray shell.
 """
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ class Generator:
         self._pulling = False
         self._events = None
         self._loop_bound: asyncio.AbstractEventLoop | None = None
-        self._m = {"groups_published": 0, "error_groups": 0, "tasks_reclaimed": 0, "tokens": 0,
+        self._interrupted = False  # the engine holds requests parked by pause(interrupt=True)
+        self._m = {"interrupts": 0, "interrupted_requests": 0, "partial_samples": 0, "groups_published": 0, "error_groups": 0, "tasks_reclaimed": 0, "tokens": 0,
                    "queue_wait_s": 0.0, "publish_latency_s": 0.0, "gen_s": 0.0}
         self._first_start: float | None = None
         self._last_finish: float | None = None
@@ -213,6 +215,7 @@ class Generator:
             m["error_groups"] += 1
             return
         m["tokens"] += sum(len(s.tokens) // 4 for s in group.samples)
+        m["partial_samples"] += sum(1 for s in group.samples if s.versions)
         if group.task.published_at:
             m["queue_wait_s"] += max(0.0, group.queued_at - group.task.published_at)
         m["publish_latency_s"] += max(0.0, group.published_at - group.finished_at)
@@ -220,16 +223,30 @@ class Generator:
 
     # -- control -----------------------------------------------------------------------------
 
-    async def pause(self) -> None:
-        """Stops pulling; returns once every in-flight group is published."""
+    async def pause(self, interrupt: bool = False) -> None:
+        """Stops pulling; returns once every in-flight group is published, or with interrupt=True
+        (and an engine that supports it) once the engine has parked them (module invariant)."""
         self._bind()
         self._paused = True
         self._resumed.clear()
         self._notify()
+        if interrupt and self.engine.supports_partial:
+            await self._wait_until(lambda: not self._pulling)
+            self._m["interrupts"] += 1
+            self._m["interrupted_requests"] += await self.engine.interrupt()
+            self._interrupted = True
+            return
+        self._continue_parked()
         await self._wait_until(lambda: not self._pulling and not self._inflight)
+
+    def _continue_parked(self) -> None:
+        if self._interrupted:
+            self._interrupted = False
+            self.engine.continue_interrupted()
 
     def resume(self) -> None:
         self._bind()
+        self._continue_parked()
         self._paused = False
         self._resumed.set()
         self._notify()
@@ -276,6 +293,9 @@ class Generator:
             "generator_inflight_prompts": float(len(self._inflight)),
             "generator_paused": float(self._paused),
             "generator_tokens": float(m["tokens"]),
+            "generator_interrupts": float(m["interrupts"]),
+            "generator_interrupted_requests": float(m["interrupted_requests"]),
+            "generator_partial_samples": float(m["partial_samples"]),
             "generator_tokens_per_s": m["tokens"] / span if span > 0 else 0.0,
             "generator_mean_queue_wait_s": m["queue_wait_s"] / ok,
             "generator_mean_publish_latency_s": m["publish_latency_s"] / ok,
@@ -286,147 +306,10 @@ class Generator:
         return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Ray shell
+def __getattr__(name: str):
+    """`actors.generator.GeneratorActor` stays importable; the Ray shell lives in actors/generator_actor.py."""
+    if name == "GeneratorActor":
+        from actors.generator_actor import GeneratorActor
 
-import ray  # noqa: E402
-
-
-@ray.remote(max_concurrency=256)
-class GeneratorActor:
-    """Async Ray actor over one Generator; run() loops while control calls are served."""
-
-    def __init__(self, generator_cfg: Any, model_cfg: Any, model_path: str, *, reclaim_idle_s: float = 30.0,
-                 stream_high_water: int = 4096, colocated: bool = False, device_ids: list[int] | None = None):
-        from actors.engines.base import DeferredEngine, make_engine, set_visible_devices
-
-        if device_ids is not None:
-            set_visible_devices(device_ids, generator_cfg)
-
-        # Restarted by Ray after a crash: the engine holds the initial weights, not the run's
-        # current ones. Serve nothing until the coordinator has synced us (see health()).
-        self.reconstructed = bool(ray.get_runtime_context().was_current_actor_reconstructed)
-        if self.reconstructed and colocated:
-            # The learner may be training on our GPU right now: build the engine only when the
-            # coordinator wakes us (heal_generators during generation, or the step's wake).
-            engine = DeferredEngine(lambda: make_engine(generator_cfg, model_cfg, model_path))
-        else:
-            engine = make_engine(generator_cfg, model_cfg, model_path)
-        self.gen = Generator(engine, generator_cfg, reclaim_idle_s=reclaim_idle_s, stream_high_water=stream_high_water)
-        self.needs_weights = self.reconstructed
-        self._weights_ready = asyncio.Event()
-        if not self.needs_weights:
-            self._weights_ready.set()
-        self._broadcast = None  # nccl transport: our rank of the learner's group, and its rendezvous
-        self._broadcast_rdv = None
-
-    def _weights_loaded(self) -> None:
-        self.needs_weights = False
-        self._weights_ready.set()
-
-    async def run(self, redis_url: str, run_id: str, generator_id: str) -> None:
-        await self._weights_ready.wait()  # a restarted generator waits for the current weights
-        from launch.ray_metrics import export_periodically
-
-        exporter = asyncio.create_task(export_periodically(generator_id, self.gen.stats))
-        try:
-            await self.gen.run(redis_url, run_id, generator_id)
-        finally:
-            exporter.cancel()
-
-    async def pid(self) -> int:
-        import os
-
-        return os.getpid()
-
-    async def health(self) -> dict:
-        """What the coordinator checks between and during steps to resync a restarted generator."""
-        import os
-
-        return {"pid": os.getpid(), "version": self.gen.version, "needs_weights": self.needs_weights,
-                "reconstructed": self.reconstructed, "engine_built": getattr(self.gen.engine, "built", True)}
-
-    async def pause(self) -> None:
-        await self.gen.pause()
-
-    async def resume(self) -> None:
-        self.gen.resume()
-
-    async def stop(self) -> None:
-        self.gen.stop()
-
-    async def abort(self) -> None:
-        self.gen.abort()
-
-    async def sleep(self, level: int) -> None:
-        await self.gen.sleep(level)
-
-    async def wake(self, tags: list[str] | None = None) -> None:
-        await self.gen.wake(tags)
-
-    async def load_weights(self, named_tensors: list[tuple[str, Any]], version: int) -> None:
-        await self.gen.load_weights(named_tensors, version)
-
-    async def finish_weight_update(self, version: int) -> None:
-        await self.gen.finish_weight_update(version)
-        self._weights_loaded()
-
-    async def set_version(self, version: int) -> None:
-        self.gen.set_version(version)
-
-    async def stats(self) -> dict[str, float]:
-        return self.gen.stats()
-
-    async def weight_sync_ranks(self) -> int:
-        """Ranks this generator takes in the nccl group, from `rank` given to weight_sync_join on."""
-        return self.gen.engine.weight_sync_ranks()
-
-    async def weight_sync_join(self, rendezvous: Any, rank: int) -> None:
-        """nccl transport: joins the learner's private group (concurrently with every other rank).
-        An engine with its own workers (vLLM) joins from each worker, as ranks rank, rank+1, ..."""
-        from actors.weight_sync_broadcast import BroadcastReceiver
-
-        old, self._broadcast, self._broadcast_rdv = self._broadcast, None, None
-        if old is not None and old != "engine":
-            try:
-                old.close()
-            except Exception as e:  # noqa: BLE001 - a broken group; the new one replaces it anyway
-                log.warning("closing the previous weight-sync group failed: %s", _one_line(e))
-        if self.gen.engine.loads_in_workers:
-            await self.gen.engine.join_weight_group(rendezvous, rank)
-            self._broadcast, self._broadcast_rdv = "engine", rendezvous
-            return
-        receiver = BroadcastReceiver(self.gen.load_weights)
-        await asyncio.to_thread(receiver.init, rendezvous, rank)
-        self._broadcast, self._broadcast_rdv = receiver, rendezvous
-
-    async def weight_sync_group(self) -> Any:
-        """The rendezvous of the group we joined; None after a restart (the coordinator rebuilds)."""
-        return self._broadcast_rdv
-
-    async def weight_sync_broadcast_receive(self, version: int) -> int:
-        """One sync, concurrently with the learner's weight_sync_broadcast and the other ranks'."""
-        if self._broadcast is None:
-            raise RuntimeError("weight_sync_broadcast_receive: this generator is in no weight-sync group "
-                               "(restarted?); weight_sync_join first")
-        if self._broadcast == "engine":
-            got = await self.gen.engine.receive_weight_group(version)
-        else:
-            got = await self._broadcast.receive_all(version)
-        await self.gen.finish_weight_update(got)
-        self._weights_loaded()
-        return got
-
-    async def weight_sync_receive(self, message: Any, kind: str = "object_store") -> int | None:
-        """One bucket (or the closing summary) of a bucketed sync; see actors.weight_sync."""
-        in_workers = self.gen.engine.loads_in_workers
-        if getattr(self, "_receiver_kind", None) != (kind, in_workers):
-            from actors.weight_sync import make_receiver
-
-            self._receiver = make_receiver(kind, self.gen.load_weights, self.gen.engine if in_workers else None)
-            self._receiver_kind = (kind, in_workers)
-        version = await self._receiver.receive(message)
-        if version is not None:
-            await self.gen.finish_weight_update(version)
-            self._weights_loaded()
-        return version
+        return GeneratorActor
+    raise AttributeError(f"module 'actors.generator' has no attribute {name!r}")

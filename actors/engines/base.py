@@ -16,6 +16,11 @@ Invariants:
   `loads_in_workers = True` and opens transport messages there itself (`load_ipc_bucket`,
   `load_flat_bucket`, `join_weight_group` / `receive_weight_group`); the generator then hands it
   the message instead of tensors. Every other engine takes tensors through `load_weights`.
+- Partial rollouts (async mode): an engine with `supports_partial` parks its running requests on
+  `interrupt()` (returns once nothing decodes; their `generate` calls stay pending) and continues
+  them on `continue_interrupted()` from the tokens they have, under whatever weights it holds then.
+  Every token's version is the version of the weights that produced it (`Sample.versions`); log-
+  probs stay aligned with tokens; a group's `policy_version` is its first token's version.
 - A task the engine cannot run (empty prompt, prompt too long for the model, n < 1, bad
   override) raises `TaskError` with a one-line message; the generator turns it into an error
   group and keeps serving.
@@ -109,6 +114,15 @@ class Engine(abc.ABC):
 
     version: int = 0
     loads_in_workers: bool = False  # True: the transport messages below are opened in the engine's workers
+    supports_partial: bool = False  # True: interrupt() / continue_interrupted() below work
+
+    async def interrupt(self, timeout_s: float = 60.0) -> int:
+        """Parks every running request (see the module invariant); returns how many are parked."""
+        raise NotImplementedError(f"{type(self).__name__} cannot interrupt requests (supports_partial is False)")
+
+    def continue_interrupted(self) -> int:
+        """Continues every parked request under the current weights; returns how many."""
+        return 0
 
     async def load_ipc_bucket(self, message: Any) -> None:
         """CUDA IPC: one merged bucket (plan + handles by device uuid), opened by each worker on its GPU."""
@@ -245,6 +259,16 @@ class DeferredEngine(Engine):
 
     async def receive_weight_group(self, version: int) -> int:
         return await self._built("receive_weight_group").receive_weight_group(version)
+
+    @property
+    def supports_partial(self) -> bool:  # type: ignore[override]
+        return self.engine is not None and self.engine.supports_partial
+
+    async def interrupt(self, timeout_s: float = 60.0) -> int:
+        return await self._built("interrupt").interrupt(timeout_s)
+
+    def continue_interrupted(self) -> int:
+        return self.engine.continue_interrupted() if self.engine is not None else 0
 
     def abort(self) -> None:
         if self.engine is not None:

@@ -26,6 +26,13 @@ Invariants:
   accepted and is a no-op. Parameters keep their identity across sleep (only `.data` is
   swapped), so tied embeddings stay tied.
 - Weights only change between decode steps (one lock guards the model).
+- Partial rollouts: `interrupt()` parks every running request at its next decode step (its rows
+  keep their tokens, log-probs and per-token versions; the KV cache is dropped) and starts no new
+  batch; it returns once nothing decodes, so weights can be loaded. `continue_interrupted()` puts
+  the parked requests first in the queue: each unfinished row is prefilled again from prompt +
+  its tokens under the current weights and decodes on. Every token records the engine version
+  whose weights produced it (`Sample.versions`, empty when all equal the group's version); the
+  group's `policy_version` stays the version its first token was sampled at.
 """
 from __future__ import annotations
 
@@ -33,13 +40,15 @@ import asyncio
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
 from actors.engines.base import (
-    Engine, EngineAsleep, SamplingSettings, TaskError, check_wake_tags, prompt_ids, resolve_sampling,
+    Engine, EngineAsleep, SamplingSettings, TaskError, prompt_ids, resolve_sampling,
 )
+from actors.engines.hf_decode import prefill, sample_tokens  # noqa: F401 - sample_tokens is this module's API too
+from actors.engines.hf_weights import WeightsMixin
 from queues.messages import PromptTask, RolloutGroup, Sample, pack_floats, pack_ids
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,39 +58,6 @@ def resolve_device(device: str) -> torch.device:
     if device in ("", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row, and its log-prob under the tempered full distribution.
-
-    logits (R, V) float32; temperature, top_p (R,) float; top_k (R,) long (<= 0: off).
-    Rows with temperature 0 take the argmax and report log_softmax(logits)[argmax].
-    """
-    greedy = temperature <= 0
-    safe_t = torch.where(greedy, torch.ones_like(temperature), temperature)
-    logp = torch.log_softmax(logits / safe_t[:, None], dim=-1)
-    vocab = logits.shape[-1]
-    filtered = logp
-    use_k = (top_k > 0) & (top_k < vocab) & ~greedy
-    use_p = (top_p < 1) & ~greedy
-    if bool(use_k.any()) or bool(use_p.any()):
-        sorted_lp, order = torch.sort(logp, dim=-1, descending=True)
-        remove = torch.zeros_like(sorted_lp, dtype=torch.bool)
-        if bool(use_k.any()):
-            ranks = torch.arange(vocab, device=logits.device)[None, :]
-            remove |= use_k[:, None] & (ranks >= top_k.clamp(min=1)[:, None])
-        if bool(use_p.any()):
-            probs = sorted_lp.exp()
-            before = probs.cumsum(-1) - probs  # mass strictly before each token
-            remove |= use_p[:, None] & (before >= top_p[:, None])
-        remove[:, 0] = False  # the most likely token always stays
-        mask = torch.zeros_like(remove).scatter(1, order, remove)
-        filtered = logp.masked_fill(mask, float("-inf"))
-    probs = torch.softmax(filtered, dim=-1)
-    sampled = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-    tokens = torch.where(greedy, logits.argmax(-1), sampled)
-    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
 
 @dataclass(eq=False)
@@ -94,6 +70,7 @@ class _Request:
     started_at: float = 0.0
     version: int = 0
     rows: list["_Row"] = field(default_factory=list)
+    interrupted: int = 0  # times this request was parked by interrupt()
 
 
 @dataclass(eq=False)
@@ -101,11 +78,12 @@ class _Row:
     req: _Request
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     finish_reason: str = ""
     text: str | None = None  # set when a stop string cut the text
 
 
-class TransformersEngine(Engine):
+class TransformersEngine(WeightsMixin, Engine):
     def __init__(self, generator_cfg: Any, model_cfg: Any, model_path: str):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -147,7 +125,9 @@ class TransformersEngine(Engine):
         self._pending: list[_Request] = []
         self._active: list[_Request] = []
         self._abort_requested = False
-        self._counters = {"requests": 0, "groups_done": 0, "tokens_generated": 0, "batches": 0,
+        self._interrupting = False
+        self._parked: list[_Request] = []
+        self._counters = {"interrupted_requests": 0, "requests": 0, "groups_done": 0, "tokens_generated": 0, "batches": 0,
                           "decode_steps": 0, "row_steps": 0, "busy_s": 0.0, "prefill_tokens": 0}
 
     def _eos_ids(self) -> set[int]:
@@ -172,8 +152,11 @@ class TransformersEngine(Engine):
         if self._loop is not loop:
             self._lock = asyncio.Lock()
             self._has_work = asyncio.Event()
+            self._idle = asyncio.Event()  # set while no batch is decoding
             self._pending = []
             self._active = []
+            self._parked = []
+            self._interrupting = False
         self._loop = loop
         self._task = loop.create_task(self._batch_loop(), name="hf-engine-batch-loop")
 
@@ -209,9 +192,12 @@ class TransformersEngine(Engine):
 
     async def _batch_loop(self) -> None:
         while True:
-            if not self._pending:
+            if self._interrupting or not self._pending:
+                self._idle.set()
                 self._has_work.clear()
                 await self._has_work.wait()
+                continue
+            self._idle.clear()
             batch = self._pending[: self.max_batch_prompts]
             del self._pending[: len(batch)]
             batch = [r for r in batch if not r.future.done()]
@@ -230,7 +216,7 @@ class TransformersEngine(Engine):
                         r.future.set_exception(TaskError(f"task {r.task.task_id}: decode failed: {type(e).__name__}: {e}"))
             finally:
                 self._active = []
-            if not self._pending:
+            if not self._pending and not self._parked:
                 self._abort_requested = False
 
     def _resolve(self, req: _Request, abort: bool = False) -> None:
@@ -241,8 +227,9 @@ class TransformersEngine(Engine):
         for row in rows:
             reason = row.finish_reason or ("abort" if abort else "length")
             text = row.text if row.text is not None else self.tokenizer.decode(row.tokens, skip_special_tokens=True)
+            spans = any(v != req.version for v in row.versions)
             samples.append(Sample(tokens=pack_ids(row.tokens), logprobs=pack_floats(row.logprobs),
-                                  finish_reason=reason, text=text))
+                                  finish_reason=reason, text=text, versions=pack_ids(row.versions) if spans else b""))
         now = time.time()
         group = RolloutGroup(task=req.task, samples=samples, policy_version=req.version,
                              started_at=req.started_at or now, finished_at=now)
@@ -252,13 +239,16 @@ class TransformersEngine(Engine):
     async def _run_batch(self, batch: list[_Request]) -> None:
         t0 = time.perf_counter()
         now = time.time()
+        resumed = any(req.rows for req in batch)
         for req in batch:
-            req.started_at, req.version = now, self.version
-            req.rows = [_Row(req=req) for _ in range(req.params.n)]
+            if not req.rows:  # a new request (a continued one keeps its rows, start and version)
+                req.started_at, req.version = now, self.version
+                req.rows = [_Row(req=req) for _ in range(req.params.n)]
+        rows = [row for req in batch for row in req.rows if not row.finish_reason]
         async with self._model_lock():
             self._check_awake()
-            logits, cache, attn, pos = await asyncio.to_thread(self._prefill, batch)
-        rows = [row for req in batch for row in req.rows]
+            prefill = self._prefill_rows if resumed else self._prefill
+            logits, cache, attn, pos = await asyncio.to_thread(prefill, batch if not resumed else rows)
         dev = self.device
         temperature = torch.tensor([r.req.params.temperature for r in rows], dtype=torch.float32, device=dev)
         top_p = torch.tensor([r.req.params.top_p for r in rows], dtype=torch.float32, device=dev)
@@ -276,6 +266,7 @@ class TransformersEngine(Engine):
                     continue
                 row.tokens.append(tok_list[i])
                 row.logprobs.append(lp_list[i])
+                row.versions.append(self.version)
                 self._counters["tokens_generated"] += 1
                 if self._finished(row, pos_next=int(pos[i]) + 1):
                     touched.append(row.req)
@@ -290,6 +281,13 @@ class TransformersEngine(Engine):
                     self._resolve(req)
             if not keep:
                 break
+            if self._interrupting:  # park the unfinished requests; the KV cache goes with this batch
+                for req in batch:
+                    if not req.future.done():
+                        req.interrupted += 1
+                        self._counters["interrupted_requests"] += 1
+                        self._parked.append(req)
+                break
             if len(keep) < len(rows):
                 idx = torch.tensor(keep, device=dev)
                 cache.batch_select_indices(idx)
@@ -302,8 +300,9 @@ class TransformersEngine(Engine):
             async with self._model_lock():
                 self._check_awake()
                 logits = await asyncio.to_thread(self._decode_step, tokens, attn, pos, cache)
-        for req in batch:  # defensive: nothing may be left unresolved
-            self._resolve(req)
+        for req in batch:  # defensive: nothing may be left unresolved (except what is parked)
+            if req not in self._parked:
+                self._resolve(req)
         self._counters["busy_s"] += time.perf_counter() - t0
 
     def _finished(self, row: _Row, pos_next: int) -> bool:
@@ -330,28 +329,19 @@ class TransformersEngine(Engine):
         row.text = text[:cut]
         return True
 
-    @torch.no_grad()
     def _prefill(self, batch: list[_Request]):
-        from transformers import DynamicCache
+        """One prefill per prompt; each of its n rows starts from a copy of its cache."""
+        expand = [i for i, r in enumerate(batch) for _ in range(r.params.n)]
+        return self._prefill_seqs([r.ids for r in batch], expand)
 
-        width = max(len(r.ids) for r in batch)
-        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, r in enumerate(batch):
-            ids[i, width - len(r.ids):] = torch.tensor(r.ids)
-            attn[i, width - len(r.ids):] = 1
-        ids, attn = ids.to(self.device), attn.to(self.device)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
-                         **{self._cache_kw: cache})
-        self._counters["prefill_tokens"] += int(attn.sum())
-        # One prefill per prompt; each of its n rows starts from a copy of its cache.
-        expand = torch.tensor([i for i, r in enumerate(batch) for _ in range(r.params.n)], device=self.device)
-        cache.batch_select_indices(expand)
-        logits = out.logits[:, -1, :].float()[expand]
-        attn = attn[expand]
-        return logits, cache, attn, pos[expand, -1]
+    def _prefill_rows(self, rows: list[_Row]):
+        """Continued rows: each prefilled from its own prompt + tokens so far, nothing shared."""
+        return self._prefill_seqs([row.req.ids + row.tokens for row in rows], None)
+
+    def _prefill_seqs(self, seqs: list[list[int]], expand: list[int] | None):
+        logits, cache, attn, pos = prefill(self.model, seqs, self.pad_id, self.device, self._cache_kw, expand)
+        self._counters["prefill_tokens"] += sum(len(x) for x in seqs)
+        return logits, cache, attn, pos
 
     @torch.no_grad()
     def _decode_step(self, tokens: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
@@ -359,73 +349,41 @@ class TransformersEngine(Engine):
                          use_cache=True, **{self._cache_kw: cache})
         return out.logits[:, -1, :].float()
 
+    # -- partial rollouts ---------------------------------------------------------------------
+
+    supports_partial = True
+
+    async def interrupt(self, timeout_s: float = 60.0) -> int:
+        """Parks the running requests (module invariant); returns how many are parked."""
+        self._bind_loop()
+        self._interrupting = True
+        self._has_work.set()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            raise RuntimeError(f"interrupt: a decode step did not end within {timeout_s} s") from None
+        return len(self._parked)
+
+    def continue_interrupted(self) -> int:
+        """Continues every parked request under the current weights; returns how many."""
+        parked, self._parked = [r for r in self._parked if not r.future.done()], []
+        self._pending[:0] = parked
+        self._interrupting = False
+        if self._loop is not None:
+            self._has_work.set()
+        return len(parked)
+
     def abort(self) -> None:
-        """Ends every in-flight and queued request at the next decode step ("abort")."""
+        """Ends every in-flight, queued and parked request at the next decode step ("abort")."""
+        for req in self._parked:
+            self._resolve(req, abort=True)
+        self._parked = []
         if self._active or self._pending:
             self._abort_requested = True
             if self._loop is not None:
                 self._loop.call_soon_threadsafe(self._has_work.set)
 
-    # -- weights -----------------------------------------------------------------------------
-
-    def _busy(self) -> int:
-        return sum(1 for r in self._active + self._pending if not r.future.done())
-
-    async def sleep(self, level: int) -> None:
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level}")
-        if self._busy():
-            raise RuntimeError(f"sleep({level}) with {self._busy()} requests in flight: pause the generator first")
-        async with self._model_lock():
-            if not self._weights_present:
-                self._sleep_level = max(self._sleep_level, level)
-                if level == 2:
-                    self._offloaded.clear()
-                return
-            for name, p in self._params.items():
-                if level == 1:
-                    self._offloaded[name] = p.data if p.device.type == "cpu" else p.data.to("cpu")
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            self._weights_present = False
-            self._sleep_level = level
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-
-    async def wake(self, tags: list[str] | None = None) -> None:
-        tags = check_wake_tags(tags)
-        if "weights" not in tags or self._weights_present:
-            return  # "kv_cache": allocated per batch here, nothing to restore
-        async with self._model_lock():
-            for name, p in self._params.items():
-                if name in self._offloaded:
-                    p.data = self._offloaded.pop(name).to(self.device)
-                else:
-                    p.data = torch.empty(self._shapes[name], dtype=p.dtype, device=self.device)
-                    self._unloaded.add(name)
-            self._weights_present = True
-            self._sleep_level = 0
-
-    async def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
-        async with self._model_lock():
-            if not self._weights_present:
-                raise EngineAsleep("load_weights on a sleeping engine: call wake(['weights']) first")
-            for name, tensor in named_tensors:
-                canonical = self._aliases.get(name)
-                if canonical is None:
-                    raise KeyError(f"load_weights: {name!r} is not a parameter of this model "
-                                   f"(e.g. {next(iter(self._params))!r})")
-                param = self._params[canonical]
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the model's is {tuple(param.shape)}")
-                with torch.no_grad():
-                    param.data.copy_(tensor.to(device=param.device, dtype=param.dtype))
-                self._unloaded.discard(canonical)
-
-    async def finish_weight_update(self, version: int) -> None:
-        if self._unloaded:
-            raise RuntimeError(f"finish_weight_update({version}): {len(self._unloaded)} tensors were never loaded "
-                               f"since the level-2 wake (e.g. {sorted(self._unloaded)[0]})")
-        self.version = int(version)
+    # -- weights: actors/engines/hf_weights.py -----------------------------------------------
 
     def stats(self) -> dict[str, float]:
         c = self._counters
@@ -438,6 +396,8 @@ class TransformersEngine(Engine):
             "engine_active_prompts": float(sum(1 for r in self._active if not r.future.done())),
             "engine_prefill_tokens": float(c["prefill_tokens"]),
             "engine_groups_done": float(c["groups_done"]),
+            "engine_interrupted_requests": float(c["interrupted_requests"]),
+            "engine_parked_requests": float(len(self._parked)),
             "engine_asleep": float(not self._weights_present),
             "policy_version": float(self.version),
             "simulated": 0.0,

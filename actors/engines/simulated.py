@@ -9,6 +9,10 @@ Invariants:
   live sequence (up to `max_concurrent_seqs`) and lasts `tick_s + per_seq_s * live` seconds, so
   throughput grows with concurrency and saturates like a real batch. A group returns when its
   n sequences end; prefill costs `prefill_s_per_token` per prompt token.
+- Partial rollouts: `interrupt()` parks every group at its next tick (and holds new ones before
+  their prefill) and returns once none ticks; `continue_interrupted()` lets them go on, each paying
+  a prefill of prompt + the tokens it has. Every tick's tokens carry the version current at that
+  tick (`Sample.versions`, empty when a sample never spanned two versions).
 """
 from __future__ import annotations
 
@@ -36,6 +40,10 @@ class SimulatedEngine(Engine):
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.rng = random.Random(seed)
         self._live = 0
+        self._ticking = 0  # groups inside their decode loop (parked ones included)
+        self._parked = 0
+        self._interrupting = False
+        self._go: asyncio.Event | None = None
         self._asleep = False
         self._m = {"tokens": 0, "groups": 0, "busy_s": 0.0}
 
@@ -50,24 +58,40 @@ class SimulatedEngine(Engine):
             from actors.engines.base import EngineAsleep
 
             raise EngineAsleep("simulated engine is asleep: call wake() first")
-        started, version = time.time(), self.version
-        await asyncio.sleep(self.prefill_s_per_token * len(ids))
-        lengths = [self.response_length(s.max_tokens) for _ in range(s.n)]
-        # Sequences of this group tick together; the tick length reflects everyone live.
-        self._live += s.n
+        self._ticking += 1
         try:
-            for _ in range(max(lengths)):
-                live = min(self._live, self.max_concurrent_seqs)
-                await asyncio.sleep(self.tick_s + self.per_seq_s * live)
+            await self._gate()
+            started, version = time.time(), self.version
+            await asyncio.sleep(self.prefill_s_per_token * len(ids))
+            lengths = [self.response_length(s.max_tokens) for _ in range(s.n)]
+            tick_versions: list[int] = []
+            # Sequences of this group tick together; the tick length reflects everyone live.
+            self._live += s.n
+            try:
+                for _ in range(max(lengths)):
+                    if self._interrupting:
+                        self._live -= s.n
+                        try:
+                            await self._gate()
+                        finally:
+                            self._live += s.n
+                        await asyncio.sleep(self.prefill_s_per_token * (len(ids) + len(tick_versions)))
+                    live = min(self._live, self.max_concurrent_seqs)
+                    await asyncio.sleep(self.tick_s + self.per_seq_s * live)
+                    tick_versions.append(self.version)
+            finally:
+                self._live -= s.n
         finally:
-            self._live -= s.n
+            self._ticking -= 1
         samples = []
         for n_tok in lengths:
             tokens = [self.rng.randrange(self.vocab_size) for _ in range(n_tok)]
             lps = [-self.rng.expovariate(1.0) for _ in range(n_tok)]
+            v = tick_versions[:n_tok]
             samples.append(Sample(tokens=pack_ids(tokens), logprobs=pack_floats(lps),
                                   finish_reason="length" if n_tok >= s.max_tokens else "stop",
-                                  text=f"[simulated] {n_tok} random tokens"))
+                                  text=f"[simulated] {n_tok} random tokens",
+                                  versions=pack_ids(v) if v and v[0] != v[-1] else b""))
         finished = time.time()
         self._m["tokens"] += sum(lengths)
         self._m["groups"] += 1
@@ -92,6 +116,40 @@ class SimulatedEngine(Engine):
 
     def abort(self) -> None:
         pass
+
+    # -- partial rollouts ---------------------------------------------------------------------
+
+    supports_partial = True
+
+    async def _gate(self) -> None:
+        """Where a group waits while the engine is interrupted (it counts as parked meanwhile)."""
+        if not self._interrupting:
+            return
+        if self._go is None:
+            self._go = asyncio.Event()
+        self._parked += 1
+        try:
+            await self._go.wait()
+        finally:
+            self._parked -= 1
+
+    async def interrupt(self, timeout_s: float = 60.0) -> int:
+        self._interrupting = True
+        self._go = asyncio.Event()
+        deadline = time.monotonic() + timeout_s
+        while self._parked < self._ticking:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"interrupt: {self._ticking - self._parked} simulated groups still ticking "
+                                   f"after {timeout_s} s")
+            await asyncio.sleep(self.tick_s / 4)
+        return self._parked
+
+    def continue_interrupted(self) -> int:
+        parked = self._parked
+        self._interrupting = False
+        if self._go is not None:
+            self._go.set()
+        return parked
 
     def stats(self) -> dict[str, float]:
         return {"simulated": 1.0, "engine_tokens_generated": float(self._m["tokens"]),
