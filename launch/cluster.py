@@ -1,4 +1,4 @@
-"""python -m launch.cluster RECIPE [key.sub=value ...] [--print-config] [--dry-run]"""
+"""python -m launch.cluster RECIPE [key.sub=value ...] [--print-config] [--dry-run] [--preflight [--simulate]]"""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +22,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="section.key=value, converted to the field's type")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     p.add_argument("--dry-run", action="store_true", help="print the placement and memory plan and exit")
+    p.add_argument("--preflight", action="store_true",
+                   help="place every actor as planned (light probes, no model), check the learner all-reduce, "
+                        "one weight-sync bucket and Redis from every node; print a table and exit")
+    p.add_argument("--simulate", action="store_true",
+                   help="with --preflight: on a local Ray cluster of the recipe's shape (logical GPUs)")
     return p.parse_args(argv)
 
 
@@ -38,6 +43,17 @@ def main(argv: list[str] | None = None) -> int:
             plan = make_plan(cfg)
             print(plan.render())
             return 0 if plan.fits else 1
+        if args.simulate and not args.preflight:
+            raise ConfigError("--simulate goes with --preflight")
+        if args.preflight:
+            from launch.preflight import PreflightFailed, preflight
+
+            try:
+                print(preflight(cfg, simulate=args.simulate).render(), flush=True)
+            except PreflightFailed as e:
+                print(f"error: preflight: {e}", file=sys.stderr)
+                return 1
+            return 0
         from launch.run import run
 
         return run(cfg)

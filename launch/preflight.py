@@ -1,0 +1,315 @@
+"""`python -m launch.cluster RECIPE --preflight [--simulate]`: build the placement, load no model.
+
+What it does, in order (each step bounded; the first failure is one line, PreflightFailed):
+1. launch.placement.make_placement(cfg) -- the function --dry-run renders; its errors fail at once.
+2. One STRICT_PACK placement group per plan node (launch.place.build_placement_groups), the GPU ids
+   of every bundle by a tiny task in it, then one light probe actor (launch.probe.Probe) per planned
+   actor with exactly the options the launcher gives the real one (launch.place.actor_options).
+3. Every probe reports its Ray node, GPU ids (ray.get_gpu_ids(), CUDA_VISIBLE_DEVICES), free device
+   memory (nvidia-smi, where a GPU exists), whether Redis answers PING from there and, on a real
+   cluster, whether model.path (learner ranks, engines) and data.bird_dir (coordinator, scorers)
+   are readable there. Checked against the plan: each actor on its plan node's Ray node and on its
+   bundle's GPU, each engine's TP bundles on distinct GPUs of one node, no GPU held by two actors
+   except a colocated learner rank and the engine covering it.
+4. An all-reduce of (rank + 1) over the learner-rank probes (gloo on CPU and simulated, NCCL on
+   GPUs; the store on rank 0's node address): the sum must be W(W+1)/2.
+5. One bucket through the weight-sync transport the placement implies (actors.weight_sync's
+   classes): object_store / cuda_ipc from the learner rank to every engine probe, or the nccl
+   broadcast (gloo on CPU); simulated GPUs have no CUDA: cuda_ipc runs as object_store, nccl as gloo.
+6. One table, exit 0. Probes and groups are removed at the end, success or not.
+
+`--simulate` starts a local ray.cluster_utils.Cluster of the recipe's shape (num_nodes raylets, each
+with gpus_per_node logical GPUs and the CPUs its bundles need, own temp dir, loopback) and runs the
+same steps there; GPU ids are logical and there is no device memory; model and BIRD paths are not
+checked. Redis: REDIS_URL / cluster.redis_url, else an embedded redis-server started for the check.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from launch.config import RunConfig
+from launch.placement import Placement, make_placement
+
+
+LOOPBACK = "127.0.0.1"
+# A simulated node has as many logical CPUs as its bundles need; Ray would start that many idle workers.
+NO_PRESTART = {"RAY_prestart_worker_first_driver": "0", "RAY_enable_worker_prestart": "0"}
+
+
+class PreflightFailed(RuntimeError):
+    """The first failure, one line."""
+
+
+@dataclass
+class PreflightResult:
+    placement: Placement
+    reports: dict[str, dict]  # actor name -> what its probe reported (+ "plan_node", "bundle")
+    node_ids: list[str]  # plan node -> Ray node id
+    bundle_gpus: dict[tuple[int, int], list[int]]
+    all_reduce: float = 0.0
+    weight_sync: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def render(self) -> str:
+        p = self.placement
+        lines = [f"preflight: {len(p.actors)} actors on {p.num_nodes} node(s), learner world size "
+                 f"{p.learner_world_size}", "",
+                 f"  {'actor':<14} {'node':>4} {'ray node':<10} {'ip':<15} {'bundle':>6} {'gpu ids':<9} "
+                 f"{'CUDA_VISIBLE':<12} {'free MiB':<9} redis"]
+        for a in p.actors:
+            r = self.reports[a.name]
+            free = ",".join(map(str, r["free_mib"])) if r["free_mib"] else "-"
+            bundle = "-" if a.bundle is None else ("cpu" if a.bundle == p.cpu_bundle else str(a.bundle))
+            lines.append(f"  {a.name:<14} {a.node:>4} {r['node_id'][:8]:<10} {r['ip']:<15} {bundle:>6} "
+                         f"{','.join(map(str, r['gpu_ids'])) or '-':<9} {r['cuda_visible_devices'] or '-':<12} "
+                         f"{free:<9} {'ok' if not r['redis'] else 'FAIL'}")
+        w = p.learner_world_size
+        lines += ["", f"all-reduce over {w} learner rank(s): {self.all_reduce:g} (expected {w * (w + 1) / 2:g})",
+                  f"weight sync: one bucket by {self.weight_sync} to {len(p.by_role('generator'))} engine(s): ok",
+                  "timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.timings.items()), "", "PREFLIGHT OK"]
+        return "\n".join(lines)
+
+
+def _get(refs: list, timeout_s: float, what: str, names: list[str]) -> list:
+    """ray.get with a bound; a timeout or a dead actor is one line naming the first actor concerned."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if len(ready) < len(refs):
+        late = [n for n, r in zip(names, refs) if r not in ready]
+        raise PreflightFailed(f"{what}: {len(late)} of {len(refs)} did not answer within {timeout_s:g} s "
+                              f"(first: {late[0]})")
+    out = []
+    for name, ref in zip(names, refs):
+        try:
+            out.append(ray.get(ref, timeout=1.0))
+        except (RayActorError, GetTimeoutError) as e:
+            raise PreflightFailed(f"{what}: {name} died ({type(e).__name__})") from None
+        except Exception as e:  # noqa: BLE001 - the probe's own error, one line
+            from launch.run import one_line
+
+            raise PreflightFailed(f"{what}: {name}: {one_line(e)}") from None
+    return out
+
+
+def check_reports(placement: Placement, reports: dict[str, dict], node_ids: list[str],
+                  bundle_gpus: dict[tuple[int, int], list[int]], simulate: bool) -> None:
+    """Every actor where the plan says (see the module docstring, step 3); PreflightFailed otherwise."""
+    held: dict[tuple[str, int], list[str]] = {}
+    for a in placement.actors:
+        r = reports[a.name]
+        if node_ids and r["node_id"] != node_ids[a.node]:
+            raise PreflightFailed(f"{a.name}: on Ray node {r['node_id'][:8]}, but plan node {a.node} is "
+                                  f"{node_ids[a.node][:8]}")
+        if a.gpus:
+            expected = bundle_gpus[(a.node, a.bundle)]
+            if r["gpu_ids"] != expected:
+                raise PreflightFailed(f"{a.name}: Ray gives it GPU {r['gpu_ids']}, its bundle {a.bundle} holds {expected}")
+            for g in a.gpus:
+                for gid in bundle_gpus[(a.node, g)]:
+                    held.setdefault((r["node_id"], gid), []).append(a.role)
+        if r["redis"]:
+            raise PreflightFailed(f"{a.name} on {r['ip']} (plan node {a.node}): Redis does not answer: {r['redis']}")
+        if r["unreadable"]:
+            raise PreflightFailed(f"{a.name} on {r['ip']} (plan node {a.node}): cannot read {r['unreadable'][0]}")
+    for e in placement.by_role("generator"):
+        ids = [i for g in e.gpus for i in bundle_gpus[(e.node, g)]]
+        if len(set(ids)) != len(e.gpus):
+            raise PreflightFailed(f"{e.name}: its {len(e.gpus)} TP bundles hold GPUs {ids}, not {len(e.gpus)} distinct ones")
+    for (node, gid), roles in held.items():
+        if sorted(roles) not in (["learner"], ["generator"], ["generator", "learner"]):
+            raise PreflightFailed(f"GPU {gid} of Ray node {node[:8]} is given to {sorted(roles)}")
+
+
+def _paths(cfg: RunConfig, role: str, simulate: bool) -> list[str]:
+    if simulate:
+        return []
+    if role in ("learner", "generator") and cfg.model.source != "tiny" and os.path.isabs(cfg.model.path):
+        return [cfg.model.path]
+    if role in ("coordinator", "scorer") and cfg.data.bird_dir and not cfg.data.synthetic:
+        return [cfg.data.bird_dir]
+    return []
+
+
+def run_probes(cfg: RunConfig, redis_url: str, simulate: bool, placement_timeout_s: float = 120.0,
+               timeout_s: float = 120.0, names: str = "preflight") -> PreflightResult:
+    """Steps 1-5 on the Ray cluster this process is connected to."""
+    import ray
+
+    from launch import place
+    from launch.probe import Probe
+
+    t0 = time.perf_counter()
+    placement = make_placement(cfg)
+    if placement.errors:
+        raise PreflightFailed(placement.errors[0])
+    try:
+        groups = place.build_placement_groups(placement, placement_timeout_s, name=names)
+    except place.PlacementFailed as e:
+        raise PreflightFailed(str(e)) from None
+    probes: dict[str, Any] = {}
+    try:
+        node_ids = place.group_nodes(groups) if groups else []
+        bundle_gpus = place.bundle_gpu_ids(placement, groups, timeout_s) if groups else {}
+        timings = {"placement groups": time.perf_counter() - t0}
+        actor_cls = ray.remote(Probe)
+        for a in placement.actors:
+            probes[a.name] = actor_cls.options(**place.actor_options(a, groups)).remote(a.name)
+        names_ = [a.name for a in placement.actors]
+        got = _get([probes[a.name].report.remote(redis_url, _paths(cfg, a.role, simulate)) for a in placement.actors],
+                   timeout_s, "probe report", names_)
+        reports = dict(zip(names_, got))
+        timings["probes placed"] = time.perf_counter() - t0 - timings["placement groups"]
+        check_reports(placement, reports, node_ids, bundle_gpus, simulate)
+        result = PreflightResult(placement, reports, node_ids, bundle_gpus, timings=timings)
+        t1 = time.perf_counter()
+        result.all_reduce = _all_reduce(placement, probes, simulate, timeout_s)
+        timings["all-reduce"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        result.weight_sync = _weight_sync(placement, probes, simulate, timeout_s)
+        timings["weight sync"] = time.perf_counter() - t1
+        timings["total"] = time.perf_counter() - t0
+        return result
+    finally:
+        for handle in probes.values():
+            ray.kill(handle, no_restart=True)
+        place.remove_groups(groups)
+
+
+def _all_reduce(placement: Placement, probes: dict, simulate: bool, timeout_s: float) -> float:
+    ranks = placement.by_role("learner")
+    world = len(ranks)
+    backend = "nccl" if placement.gpu and not simulate else "gloo"
+    r0 = probes[ranks[0].name]
+    host, port = _get([r0.store_listen.remote(world, timeout_s)], timeout_s, "all-reduce rendezvous", [ranks[0].name])[0]
+    sums = _get([probes[a.name].all_reduce.remote(host, port, a.rank, world, backend, timeout_s) for a in ranks],
+                timeout_s + 15, f"{backend} all-reduce over {world} learner ranks", [a.name for a in ranks])
+    expected = world * (world + 1) / 2
+    bad = [(a.name, s) for a, s in zip(ranks, sums) if s != expected]
+    if bad:
+        raise PreflightFailed(f"{backend} all-reduce over {world} learner ranks: {bad[0][0]} got {bad[0][1]:g}, "
+                              f"expected {expected:g}")
+    return expected
+
+
+def _weight_sync(placement: Placement, probes: dict, simulate: bool, timeout_s: float) -> str:
+    """One bucket by the placement's transport (as simulated where no GPU exists); returns its name."""
+    from actors.weight_sync import drive_bucketed_sync
+
+    engines = placement.by_role("generator")
+    if not engines:
+        return "none (no engines)"
+    kind = placement.weight_sync
+    if simulate or not placement.gpu:
+        kind = {"cuda_ipc": "object_store", "nccl": "gloo"}.get(kind, kind)
+    ranks = placement.by_role("learner")
+    what = f"weight sync ({kind})"
+    names = [e.name for e in engines]
+    if kind in ("nccl", "gloo"):
+        sender = probes[ranks[0].name]
+        rdv = _get([sender.ws_listen.remote(1 + len(engines), kind, timeout_s)], timeout_s, what, [ranks[0].name])[0]
+        _get([sender.ws_init.remote()] + [probes[e.name].ws_join.remote(rdv, i) for i, e in enumerate(engines, 1)],
+             timeout_s + 15, what + " group", [ranks[0].name] + names)
+        _get([sender.ws_send.remote(1)] + [probes[e.name].ws_receive_all.remote(1) for e in engines],
+             timeout_s + 15, what, [ranks[0].name] + names)
+    else:  # object_store: rank 0 to every engine; cuda_ipc: the rank on each engine's first GPU to it
+        pairs = [(ranks[0], engines)] if kind == "object_store" else [
+            (next(r for r in ranks if (r.node, r.gpus[0]) == (e.node, e.gpus[0])), [e]) for e in engines]
+        for rank, receivers in pairs:
+            sender = probes[rank.name]
+            _get([sender.ws_start.remote(kind, 1)], timeout_s, what, [rank.name])
+
+            async def drive(sender=sender, receivers=receivers):
+                return await asyncio.wait_for(drive_bucketed_sync(
+                    sender.ws_next.remote, [lambda m, e=e: probes[e.name].ws_receive.remote(m, kind) for e in receivers]),
+                    timeout_s)
+            try:
+                asyncio.run(drive())
+            except Exception as e:  # noqa: BLE001
+                from launch.run import one_line
+
+                raise PreflightFailed(f"{what} from {rank.name}: {one_line(e)}") from None
+    bad = [(n, c) for n, c in zip(names, _get([probes[n].ws_check.remote() for n in names], timeout_s, what, names)) if c]
+    if bad:
+        raise PreflightFailed(f"{what}: {bad[0][0]}: {bad[0][1]}")
+    return kind if kind == placement.weight_sync else f"{kind} (standing in for {placement.weight_sync})"
+
+
+@contextlib.contextmanager
+def simulated_cluster(placement: Placement, temp_root: str | None = None):
+    """A local Ray cluster of the placement's shape; yields the Cluster (connected), removes it after."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from launch.run import ray_on_loopback, run_env
+
+    cpus = max(sum(b.get("CPU", 0.0) for b in row) for row in placement.bundles) if placement.gpu else \
+        sum(a.num_cpus for a in placement.actors)
+    cpus = math.ceil(cpus) + 1
+    gpus = placement.gpus_per_node
+    temp_dir = tempfile.mkdtemp(prefix="arl-preflight-", dir=temp_root or "/tmp")
+    cluster = None
+    saved = {k: os.environ.get(k) for k in NO_PRESTART}
+    os.environ.update(NO_PRESTART)  # the raylets inherit it: no idle workers per logical CPU
+    try:
+        with ray_on_loopback(True):  # the raylets and the driver on 127.0.0.1 (else it dials the host's address)
+            cluster = Cluster(initialize_head=True, head_node_args=dict(
+                num_cpus=cpus, num_gpus=gpus, temp_dir=temp_dir, include_dashboard=False, node_ip_address=LOOPBACK))
+            for _ in range(placement.num_nodes - 1):
+                cluster.add_node(num_cpus=cpus, num_gpus=gpus, node_ip_address=LOOPBACK)
+            cluster.wait_for_nodes(timeout=120)
+            ray.init(address=cluster.address, runtime_env={"env_vars": run_env()}, log_to_driver=False)
+        yield cluster
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if ray.is_initialized():
+            ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def preflight(cfg: RunConfig, simulate: bool = False, placement_timeout_s: float = 120.0,
+              timeout_s: float = 120.0) -> PreflightResult:
+    """The whole check: Redis (REDIS_URL or an embedded one), Ray (simulated or the configured one), steps 1-5."""
+    import ray
+
+    from launch.run import preflight as reachable, redis_url_of, start_ray
+
+    placement = make_placement(cfg)
+    if placement.errors:
+        raise PreflightFailed(placement.errors[0])
+    reachable(cfg)  # an external Redis / RAY_ADDRESS that does not answer: one line, at once
+    with tempfile.TemporaryDirectory(prefix="arl-preflight-redis-") as scratch:
+        url, server = redis_url_of(cfg), None
+        if not url:
+            from queues.redis_server import EmbeddedRedis
+
+            server = EmbeddedRedis(Path(scratch)).start()
+            url = server.url
+        try:
+            if simulate:
+                with simulated_cluster(placement):
+                    return run_probes(cfg, url, True, placement_timeout_s, timeout_s)
+            start_ray(cfg, Path(scratch), None)
+            try:
+                return run_probes(cfg, url, False, placement_timeout_s, timeout_s)
+            finally:
+                ray.shutdown()
+        finally:
+            if server is not None:
+                server.stop()

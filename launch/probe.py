@@ -1,0 +1,207 @@
+"""Preflight probes: one light actor per planned actor, placed exactly as the launcher places the real one.
+
+Invariants:
+- Importing this module imports the standard library and ray only. torch (and torch.distributed)
+  is imported inside the calls that need it: the learner ranks' all-reduce and the weight-sync
+  bucket (actors.weight_sync's own classes). A probe that only reports its place never loads it.
+- No model, tokenizer or dataset is read; `report` only checks that given paths are readable.
+- Every call that waits on other processes is bounded by its `timeout_s` (gloo/NCCL timeouts on the
+  group, TCPStore timeouts on the rendezvous); the driver bounds each ray.get as well.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from typing import Any
+
+import ray
+
+PROBE_NAME = "preflight.probe"
+PROBE_NUMEL = 4096  # float32: 16 KiB, one bucket
+
+
+def bundle_gpu_ids() -> list[int]:
+    """Run as a task in a bundle: the GPU ids Ray gives that bundle (node-local)."""
+    return [int(x) for x in ray.get_gpu_ids()]
+
+
+def _node_ip() -> str:
+    try:
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside a Ray worker
+        return socket.gethostbyname(socket.gethostname())
+
+
+def _free_memory_mib(gpu_ids: list[int]) -> list[int] | None:
+    """Free device memory per GPU from nvidia-smi (no CUDA context created); None without GPUs."""
+    if not gpu_ids:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.free", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    free = {int(i): int(m) for i, m in (line.split(",") for line in out.strip().splitlines() if "," in line)}
+    return [free[g] for g in gpu_ids if g in free] or None
+
+
+def redis_ping(url: str, timeout_s: float) -> str:
+    """'' when Redis answers PING at `url`, else the reason (one line)."""
+    if not url:
+        return ""
+    try:
+        import redis
+
+        client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        try:
+            client.ping()
+        finally:
+            client.close()
+        return ""
+    except Exception as e:  # noqa: BLE001 - any failure is the answer
+        from queues.streams import redact
+
+        return redact(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")[:200]
+
+
+def unreadable(paths: list[str]) -> list[str]:
+    """The paths (files or directories) this process cannot read."""
+    bad = []
+    for p in paths:
+        if not p:
+            continue
+        ok = os.access(p, os.R_OK) and (not os.path.isdir(p) or os.access(p, os.X_OK))
+        if not ok:
+            bad.append(p)
+    return bad
+
+
+class Probe:
+    """Stands where `name` will stand. Async methods (the weight-sync receivers) make it an async actor."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.sender = None
+        self.receiver = None
+        self.received: list[Any] = []
+        self._store = None
+        self._group = None
+
+    def report(self, redis_url: str = "", paths: list[str] | None = None, timeout_s: float = 5.0) -> dict:
+        ctx = ray.get_runtime_context()
+        gpu_ids = [int(x) for x in ray.get_gpu_ids()]
+        return {"name": self.name, "node_id": ctx.get_node_id(), "ip": _node_ip(), "pid": os.getpid(),
+                "gpu_ids": gpu_ids, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+                "free_mib": _free_memory_mib(gpu_ids), "redis": redis_ping(redis_url, timeout_s),
+                "unreadable": unreadable(paths or [])}
+
+    # ---------------------------------------------------------------- learner ranks: one all-reduce
+
+    def store_listen(self, world_size: int, timeout_s: float) -> tuple[str, int]:
+        """Rank 0: a TCPStore on this node's address alone (never every interface)."""
+        import datetime
+
+        import torch.distributed as dist
+
+        host = _node_ip()
+        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind((host, 0))
+        listener.listen(max(128, world_size))
+        port = listener.getsockname()[1]
+        self._store = dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=listener.detach())
+        return host, port
+
+    def all_reduce(self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> float:
+        """Sum of (rank + 1) over the group: world_size * (world_size + 1) / 2 when every rank took part."""
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        from actors.weight_sync import _make_group
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = self._store if rank == 0 else dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+        local = "127.0.0.1" if host.startswith("127.") else _node_ip()
+        self._group = _make_group(dist.PrefixStore("arl-preflight", store), rank, world_size, backend, timeout, local)
+        device = "cuda" if backend == "nccl" else "cpu"
+        t = torch.tensor([float(rank + 1)], device=device)
+        self._group.allreduce([t]).wait(timeout)
+        return float(t.item())
+
+    # ---------------------------------------------------------------- one weight-sync bucket
+
+    @staticmethod
+    def _export(device: str):
+        import torch
+
+        def export(_bucket_mb):
+            yield [(PROBE_NAME, torch.arange(PROBE_NUMEL, dtype=torch.float32, device=device))]
+        return export
+
+    def ws_start(self, kind: str, version: int, bucket_mb: int = 1) -> None:
+        from actors import weight_sync
+
+        if kind == "object_store":
+            self.sender = weight_sync.ObjectStoreSender(self._export("cpu"), bucket_mb)
+        else:  # cuda_ipc: this rank's GPU
+            self.sender = weight_sync.CudaIpcSender(self._export("cuda"), bucket_mb)
+        self.sender.start(version)
+
+    def ws_next(self) -> Any:
+        return self.sender.next_bucket()
+
+    def ws_listen(self, world_size: int, backend: str, timeout_s: float) -> Any:
+        from actors import weight_sync
+
+        self.sender = weight_sync.BroadcastSender(self._export("cuda" if backend == "nccl" else "cpu"), 1,
+                                                  backend=backend, timeout_s=timeout_s)
+        return self.sender.listen(world_size)
+
+    def ws_init(self) -> None:
+        self.sender.init()
+
+    def ws_send(self, version: int) -> int:
+        try:
+            return self.sender.send(version).version
+        finally:
+            self.sender.close()
+
+    def _load(self, named, version):
+        self.received = [(n, t.detach().to("cpu").clone()) for n, t in named]
+
+    async def ws_receive(self, message: Any, kind: str) -> int | None:
+        from actors import weight_sync
+
+        if self.receiver is None:
+            cls = weight_sync.ObjectStoreReceiver if kind == "object_store" else weight_sync.CudaIpcReceiver
+            self.receiver = cls(self._load)
+        return await self.receiver.receive(message)
+
+    def ws_join(self, rendezvous: Any, rank: int) -> None:
+        from actors import weight_sync
+
+        self.receiver = weight_sync.BroadcastReceiver(self._load)
+        self.receiver.init(rendezvous, rank)
+
+    async def ws_receive_all(self, version: int) -> int:
+        try:
+            return await self.receiver.receive_all(version)
+        finally:
+            self.receiver.close()
+
+    def ws_check(self) -> str:
+        """'' when the one tensor of the bucket arrived bit for bit, else what arrived."""
+        import torch
+
+        if len(self.received) != 1 or self.received[0][0] != PROBE_NAME:
+            return f"received {[n for n, _ in self.received]}"
+        if not torch.equal(self.received[0][1], torch.arange(PROBE_NUMEL, dtype=torch.float32)):
+            return "the bucket's values differ from what was sent"
+        return ""
+
+    def ping(self) -> float:
+        return time.time()

@@ -1,0 +1,96 @@
+"""--preflight --simulate on real local Ray clusters of the recipes' shapes (ray.cluster_utils.Cluster).
+
+No GPU exists here: the clusters' GPUs are Ray's logical GPUs (ids, no device memory), and the
+weight-sync bucket goes by the object store / gloo where the recipe's transport needs CUDA. Everything
+else is real: raylets, placement groups, probe actors, the gloo all-reduce, Redis.
+"""
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from launch.placement import make_placement
+from launch.preflight import PreflightFailed, run_probes, simulated_cluster
+from launch.recipes import get_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def cluster_32b(tmp_path_factory):
+    from queues.redis_server import EmbeddedRedis
+
+    cfg = get_recipe("bird_32b")
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as redis, simulated_cluster(make_placement(cfg)) as cluster:
+        yield cfg, cluster, redis.url
+
+
+def test_bird_32b_every_actor_where_the_plan_says_logical_gpus(cluster_32b):
+    cfg, cluster, url = cluster_32b
+    start = time.perf_counter()
+    result = run_probes(cfg, url, simulate=True)
+    print(f"bird_32b simulated preflight (cluster already up): {time.perf_counter() - start:.1f} s")
+    p = result.placement
+    assert len(p.actors) == 8 + 32 + 4 and len(set(result.node_ids)) == 4
+    for a in p.actors:  # on the Ray node its plan node's placement group landed on
+        assert result.reports[a.name]["node_id"] == result.node_ids[a.node], a.name
+    holders = defaultdict(list)  # (ray node, gpu id) -> roles
+    for a in p.actors:
+        r = result.reports[a.name]
+        if a.role == "learner":
+            assert r["gpu_ids"] == result.bundle_gpus[(a.node, a.gpus[0])] and len(r["gpu_ids"]) == 1
+            assert r["cuda_visible_devices"] == str(r["gpu_ids"][0])
+        for g in a.gpus:
+            for gid in result.bundle_gpus[(a.node, g)]:
+                holders[(r["node_id"], gid)].append(a.role)
+        assert r["redis"] == "" and r["free_mib"] is None
+    for e in p.by_role("generator"):  # each TP-4 engine: 4 distinct GPUs of one node
+        ids = [i for g in e.gpus for i in result.bundle_gpus[(e.node, g)]]
+        assert len(ids) == 4 and len(set(ids)) == 4
+    assert len(holders) == 32  # every GPU of the cluster, each given once except by colocation
+    assert all(sorted(roles) == ["generator", "learner"] for roles in holders.values())
+    assert result.all_reduce == 32 * 33 / 2
+    assert result.weight_sync == "object_store (standing in for cuda_ipc)"
+    assert "PREFLIGHT OK" in result.render()
+
+
+def test_bird_1p7b_one_node_eight_tp1_engines_logical_gpus(cluster_32b):
+    _, _, url = cluster_32b
+    result = run_probes(get_recipe("bird_1p7b"), url, simulate=True)
+    p = result.placement
+    assert len(set(result.node_ids)) == 1 and result.all_reduce == 36
+    for a in p.actors:
+        r = result.reports[a.name]
+        assert r["node_id"] == result.node_ids[0]
+        if a.gpus:  # engine i and learner rank i share bundle i's one GPU
+            assert r["gpu_ids"] == result.bundle_gpus[(0, a.bundle)] and a.bundle == a.rank
+    assert sorted(i for (_, b), ids in result.bundle_gpus.items() for i in ids) == list(range(8))
+
+
+def test_unreachable_redis_names_the_actor_and_node(cluster_32b, tmp_path):
+    cfg = get_recipe("tiny")  # 5 CPU probes (no placement group) are enough to see the check
+    with pytest.raises(PreflightFailed, match=r"^generator-0 on 127\.0\.0\.1 \(plan node 0\): Redis does not answer"):
+        run_probes(cfg, f"unix://{tmp_path}/no-redis.sock", simulate=True, timeout_s=60)
+
+
+def test_a_dead_node_fails_preflight_in_one_line_naming_it(cluster_32b):
+    cfg, cluster, url = cluster_32b
+    # runs last on the shared cluster (pytest keeps file order); earlier runs removed their probes and groups
+    dead = next(iter(cluster.worker_nodes))
+    cluster.remove_node(dead)
+    start = time.perf_counter()
+    with pytest.raises(PreflightFailed) as e:
+        run_probes(cfg, url, simulate=True, placement_timeout_s=8)
+    msg = str(e.value)
+    assert "\n" not in msg and "cannot be placed within 8 s" in msg, msg
+    assert f"dead: 127.0.0.1 (node id {dead.node_id[:8]})" in msg, msg
+    assert time.perf_counter() - start < 30
+
+
+def test_cli_simulate_without_preflight_is_a_one_line_error():
+    r = subprocess.run([sys.executable, "-m", "launch.cluster", "tiny", "--simulate"], cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == "error: --simulate goes with --preflight"
