@@ -178,6 +178,7 @@ class ClusterConfig(_Section):
     ray_loopback: bool = True  # a local cluster's own servers (GCS, raylet, workers, agents) on loopback only;
     # false: Ray's default (the host's address, all interfaces), e.g. to let other nodes join it
     redis_persistence: bool = False  # embedded Redis with AOF (survives restarts)
+    placement_timeout_s: float = 120.0  # the run's placement groups must be ready within this (else one line)
     stream_high_water: int = 4096  # publish waits while a stage's backlog is above this
     reclaim_idle_s: float = 30.0  # messages pending this long on a consumer are reclaimed
     # The learner or coordinator died (Ray restarts the other actors itself): tear the run's actors

@@ -17,21 +17,13 @@ from launch.config import RunConfig
 RESTART = dict(max_restarts=-1, max_task_retries=-1)
 
 
-def _engine_gpus(cfg: RunConfig) -> float:
-    if cfg.generator.engine != "vllm" and cfg.generator.device in ("cpu",):
-        return 0.0
-    if cfg.cluster.gpus_per_node == 0:
-        return 0.0
-    if cfg.coordinator.mode == "colocated":
-        return 0.5 * cfg.generator.tensor_parallel_size if cfg.generator.engine == "vllm" else 0.5
-    return float(cfg.generator.tensor_parallel_size)
-
-
 def create_actors(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_path: str, total_steps: int,
                   names: str = ""):
     """The run's actors, named `<names>:learner-<rank>` etc. (names: the run id, or the run id and the
-    relaunch: Ray keeps a dead actor's name while a handle to it lives). The learner is a
-    LearnerGroup of `learner.num_ranks` rank actors."""
+    relaunch: Ray keeps a dead actor's name while a handle to it lives), each with the Ray options of
+    its slot in launch.placement.make_placement(cfg) -- the placement --dry-run prints and --preflight
+    builds. The learner is a LearnerGroup of the placement's world size (learner.num_ranks on CPU).
+    Returns (learner, generators, scorers, assembler, placement, groups); the caller removes `groups`."""
     import ray
 
     names = names or run_id
@@ -40,25 +32,35 @@ def create_actors(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, mo
     from actors.generator import GeneratorActor
     from actors.learner_group import LearnerGroup
     from actors.scorer import ScorerActor
+    from launch.placement import make_placement
 
-    hw = cfg.cluster.stream_high_water
-    idle = cfg.cluster.reclaim_idle_s
-    learner_gpus = cfg.learner.num_gpus if cfg.cluster.gpus_per_node else 0.0
-    if cfg.coordinator.mode == "colocated" and learner_gpus:
-        learner_gpus = 0.5
-    learner = LearnerGroup.create(cfg, model_path, total_steps, str(run_dir), names,
-                                  rank_options=[{"num_gpus": learner_gpus}] * cfg.learner.num_ranks)
-    generators = [GeneratorActor.options(name=f"{names}:generator-{i}", num_cpus=cfg.generator.num_cpus,
-                                         num_gpus=_engine_gpus(cfg), **RESTART).remote(
-        cfg.generator, cfg.model, model_path, reclaim_idle_s=idle, stream_high_water=hw,
-        colocated=cfg.coordinator.mode == "colocated")
-        for i in range(cfg.generator.num_engines)]
-    scorers = [ScorerActor.options(name=f"{names}:scorer-{i}", num_cpus=cfg.scorer.num_cpus, **RESTART).remote(
-        cfg.scorer, f"scorer-{i}", reclaim_idle_s=idle) for i in range(cfg.scorer.num_scorers)]
-    assembler = ray.remote(Assembler).options(name=f"{names}:assembler", num_cpus=cfg.assembler.num_cpus,
-                                              max_concurrency=64, **RESTART).remote(
-        cfg.assembler, consumer="assembler-0", reclaim_idle_s=idle, redis_url=redis_url, run_id=run_id, high_water=hw)
-    return learner, generators, scorers, assembler
+    placement = make_placement(cfg)
+    if placement.errors:
+        raise PlacementFailed(placement.errors[0])
+    check_cpus(placement)
+    groups = build_placement_groups(placement, cfg.cluster.placement_timeout_s, name=names)
+    try:
+        gpu_ids = bundle_gpu_ids(placement, groups, cfg.cluster.placement_timeout_s) if groups else {}
+        hw = cfg.cluster.stream_high_water
+        idle = cfg.cluster.reclaim_idle_s
+        ranks = placement.by_role("learner")
+        cfg.learner.num_ranks = len(ranks)  # on GPUs the placement decides (make_placement checked the request)
+        learner = LearnerGroup.create(cfg, model_path, total_steps, str(run_dir), names,
+                                      rank_options=[actor_options(r, groups) for r in ranks])
+        generators = [GeneratorActor.options(name=f"{names}:{slot.name}", **actor_options(slot, groups), **RESTART).remote(
+            cfg.generator, cfg.model, model_path, reclaim_idle_s=idle, stream_high_water=hw,
+            colocated=cfg.coordinator.mode == "colocated", device_ids=device_ids(slot, gpu_ids))
+            for slot in placement.by_role("generator")]
+        scorers = [ScorerActor.options(name=f"{names}:{slot.name}", **actor_options(slot, groups), **RESTART).remote(
+            cfg.scorer, slot.name, reclaim_idle_s=idle) for slot in placement.by_role("scorer")]
+        assembler = ray.remote(Assembler).options(name=f"{names}:assembler",
+                                                  **actor_options(placement.actor("assembler"), groups),
+                                                  max_concurrency=64, **RESTART).remote(
+            cfg.assembler, consumer="assembler-0", reclaim_idle_s=idle, redis_url=redis_url, run_id=run_id, high_water=hw)
+    except BaseException:
+        remove_groups(groups)
+        raise
+    return learner, generators, scorers, assembler, placement, groups
 
 
 def warm_start(cfg: RunConfig, learner, items: list, model_path: str, log) -> dict[str, float]:
@@ -87,6 +89,19 @@ def warm_start(cfg: RunConfig, learner, items: list, model_path: str, log) -> di
 
 def place_and_run(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_path: str,
                   train_items: list, eval_items: list, log, names: str = "") -> dict[str, Any]:
+    names = names or run_id
+    learner, generators, scorers, assembler, placement, groups = create_actors(
+        cfg, run_id, run_dir, redis_url, model_path, cfg.coordinator.steps, names)
+    cfg.coordinator.weight_sync = placement.weight_sync  # "auto" -> what the placement implies
+    try:
+        return _drive(cfg, run_id, run_dir, redis_url, model_path, train_items, eval_items, log, names,
+                      (learner, generators, scorers, assembler), placement, groups)
+    finally:
+        remove_groups(groups)  # a relaunch places its own; removing a group also ends the actors in it
+
+
+def _drive(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_path: str, train_items: list,
+           eval_items: list, log, names: str, actors: tuple, placement, groups: list) -> dict[str, Any]:
     import asyncio
 
     import ray
@@ -94,20 +109,15 @@ def place_and_run(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, mo
     from actors.coordinator import Coordinator
     from launch.progress import Progress
 
-    names = names or run_id
-    from launch.placement import make_placement
-
-    cfg.coordinator.weight_sync = make_placement(cfg).weight_sync  # "auto" -> what the placement implies
-    learner, generators, scorers, assembler = create_actors(cfg, run_id, run_dir, redis_url, model_path,
-                                                            cfg.coordinator.steps, names)
+    learner, generators, scorers, assembler = actors
     hw = cfg.cluster.stream_high_water
     loops = [g.run.remote(redis_url, run_id, f"generator-{i}") for i, g in enumerate(generators)]
     loops += [s.run.remote(redis_url, run_id, hw) for s in scorers]
     ray.get(assembler.start.remote(redis_url, run_id, hw))
     asyncio.run(learner.connect(redis_url, run_id))
 
-    coordinator = ray.remote(Coordinator).options(name=f"{names}:coordinator", num_cpus=cfg.coordinator.num_cpus,
-                                                  max_concurrency=8).remote(
+    coordinator = ray.remote(Coordinator).options(name=f"{names}:coordinator", max_concurrency=8,
+                                                  **actor_options(placement.actor("coordinator"), groups)).remote(
         cfg, run_id, str(run_dir), redis_url, train_items, eval_items, generators=generators, learner=learner,
         assembler=assembler, metrics_logger=None)
     ray.get(coordinator.attach_metrics.remote(str(run_dir), cfg.logging.console, {
@@ -185,6 +195,20 @@ def build_placement_groups(placement, timeout_s: float = 120.0, name: str = "arl
         raise PlacementFailed(f"plan node {node}: its placement group ({_bundle_list(placement.bundles[node])}, "
                               f"STRICT_PACK) cannot be placed within {timeout_s:g} s; {_cluster_nodes_line()}")
     return groups
+
+
+def check_cpus(placement) -> None:
+    """CPU recipes: the actors' CPU requests must fit the Ray cluster's CPUs, or an actor would wait forever."""
+    import ray
+
+    if placement.gpu:
+        return  # the placement groups' bounded wait covers GPU recipes
+    have = float(ray.cluster_resources().get("CPU", 0.0))
+    want = sum(a.num_cpus for a in placement.actors)
+    if want > have + 1e-9:
+        raise PlacementFailed(f"the actors ask for {want:g} CPUs but the Ray cluster has {have:g} ("
+                              + ", ".join(f"{a.name}={a.num_cpus:g}" for a in placement.actors)
+                              + "): lower their num_cpus or raise cluster.num_cpus")
 
 
 def group_nodes(groups: list) -> list[str]:

@@ -154,6 +154,7 @@ def run_probes(cfg: RunConfig, redis_url: str, simulate: bool, placement_timeout
     if placement.errors:
         raise PreflightFailed(placement.errors[0])
     try:
+        place.check_cpus(placement)
         groups = place.build_placement_groups(placement, placement_timeout_s, name=names)
     except place.PlacementFailed as e:
         raise PreflightFailed(str(e)) from None

@@ -121,7 +121,7 @@ class Probe:
         import torch
         import torch.distributed as dist
 
-        from actors.weight_sync import _make_group
+        from actors.weight_sync_broadcast import _make_group
 
         timeout = datetime.timedelta(seconds=timeout_s)
         store = self._store if rank == 0 else dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)

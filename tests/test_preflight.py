@@ -14,6 +14,7 @@ import pytest
 
 from launch.placement import make_placement
 from launch.preflight import PreflightFailed, run_probes, simulated_cluster
+from launch.probe import Probe
 from launch.recipes import get_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,6 +29,7 @@ def cluster_32b(tmp_path_factory):
         yield cfg, cluster, redis.url
 
 
+@pytest.mark.slow
 def test_bird_32b_every_actor_where_the_plan_says_logical_gpus(cluster_32b):
     cfg, cluster, url = cluster_32b
     start = time.perf_counter()
@@ -57,6 +59,7 @@ def test_bird_32b_every_actor_where_the_plan_says_logical_gpus(cluster_32b):
     assert "PREFLIGHT OK" in result.render()
 
 
+@pytest.mark.slow
 def test_bird_1p7b_one_node_eight_tp1_engines_logical_gpus(cluster_32b):
     _, _, url = cluster_32b
     result = run_probes(get_recipe("bird_1p7b"), url, simulate=True)
@@ -68,6 +71,60 @@ def test_bird_1p7b_one_node_eight_tp1_engines_logical_gpus(cluster_32b):
         if a.gpus:  # engine i and learner rank i share bundle i's one GPU
             assert r["gpu_ids"] == result.bundle_gpus[(0, a.bundle)] and a.bundle == a.rank
     assert sorted(i for (_, b), ids in result.bundle_gpus.items() for i in ids) == list(range(8))
+
+
+class _StandIn(Probe):
+    """Stands in for the GPU actors that cannot start here (vLLM engines, CUDA learner ranks): reports where it is."""
+
+    def __init__(self, *args, device_ids=None, **kwargs):
+        super().__init__("stand-in")
+        self.device_ids = device_ids
+
+    def listen(self):  # LearnerGroup's rendezvous calls
+        return "127.0.0.1", 0
+
+    def join(self, host, port):
+        return None
+
+    def got_device_ids(self):
+        return self.device_ids
+
+
+def test_launcher_builds_the_plan_s_placement_fake_gpu_actors_stand_in(cluster_32b, monkeypatch, tmp_path):
+    import ray
+
+    import actors.assembler
+    import actors.generator
+    import actors.learner
+    import actors.scorer
+    from launch.place import create_actors, group_nodes, remove_groups
+    from launch.plan import make_plan
+
+    for module, name in ((actors.generator, "GeneratorActor"), (actors.learner, "LearnerActor"),
+                         (actors.scorer, "ScorerActor")):
+        monkeypatch.setattr(module, name, ray.remote(_StandIn))
+    monkeypatch.setattr(actors.assembler, "Assembler", _StandIn)
+    cfg = get_recipe("bird_1p7b")
+    plan = make_plan(cfg)  # what --dry-run prints
+    learner, generators, scorers, assembler, placement, groups = create_actors(
+        cfg, "launch-test", tmp_path, "", "/no/model", 1, names="launch-test")
+    try:
+        assert placement.to_dict() == plan.placement.to_dict()
+        node = group_nodes(groups)[0]
+        handles = dict(zip([f"learner-{i}" for i in range(8)], learner.ranks))
+        handles.update({f"generator-{i}": g for i, g in enumerate(generators)})
+        handles.update({f"scorer-{i}": s for i, s in enumerate(scorers)}, assembler=assembler)
+        names = list(handles)
+        reports = dict(zip(names, ray.get([handles[n].report.remote() for n in names], timeout=120)))
+        assert all(r["node_id"] == node for r in reports.values())
+        for row in plan.placements:  # every planned row's GPUs are the GPUs its actors hold
+            if row.actor.startswith("generator-"):
+                assert reports[row.actor]["gpu_ids"] == row.gpus
+                assert ray.get(handles[row.actor].got_device_ids.remote()) == row.gpus
+        assert [reports[f"learner-{i}"]["gpu_ids"] for i in range(8)] == [[i] for i in range(8)]
+        assert learner.world_size == plan.learner_world_size == 8
+    finally:
+        remove_groups(groups)
 
 
 def test_unreachable_redis_names_the_actor_and_node(cluster_32b, tmp_path):
