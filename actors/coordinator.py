@@ -232,11 +232,14 @@ class Coordinator:
             joined = await asyncio.gather(*(call(g, "weight_sync_group") for g in self.generators))
             if all(j == rdv for j in joined):
                 return
+        from actors.weight_sync import group_layout
+
         self._broadcast_rdv = None
-        rdv = await call(self.learner, "weight_sync_listen", 1 + len(self.generators),
-                         self.cfg.coordinator.weight_bucket_mb)
+        # A generator whose engine loads in k workers (vLLM, tensor parallelism k) takes k ranks.
+        firsts, world = group_layout(await asyncio.gather(*(call(g, "weight_sync_ranks") for g in self.generators)))
+        rdv = await call(self.learner, "weight_sync_listen", world, self.cfg.coordinator.weight_bucket_mb)
         await asyncio.gather(call(self.learner, "weight_sync_init"),
-                             *(call(g, "weight_sync_join", rdv, rank) for rank, g in enumerate(self.generators, 1)))
+                             *(call(g, "weight_sync_join", rdv, first) for first, g in zip(firsts, self.generators)))
         self._broadcast_rdv = rdv
         if self.log is not None:
             self.log.info("weight-sync group built", backend=rdv.backend, world_size=rdv.world_size,

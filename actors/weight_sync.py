@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from actors.weight_sync_base import ReceiverBase, SenderBase, drive_bucketed_sync, maybe_await
-from actors.weight_sync_broadcast import BroadcastReceiver, BroadcastSender, Rendezvous, node_ip
+from actors.weight_sync_broadcast import BroadcastReceiver, BroadcastSender, Rendezvous, group_layout, node_ip
 from actors.weight_sync_ipc import (
     CudaIpcBucket, CudaIpcReceiver, CudaIpcSender, device_uuid, ipc_message_from_bytes, ipc_message_to_bytes,
     load_ipc_bucket, merge_ipc_buckets, open_ipc_buffers, select_ipc_handles, visible_cuda_uuids,
@@ -41,7 +41,7 @@ __all__ = [
     "ObjectStoreReceiver", "ObjectStoreSender", "ReceiverBase", "Rendezvous", "SenderBase", "SyncAbort",
     "SyncMessage", "SyncSummary", "TensorMeta", "WEIGHT_SYNC_SCHEMA", "WeightSyncError", "bucket_to_payload",
     "decode_message", "device_uuid", "drive_bucketed_sync", "dtype_name", "encode_message", "expected_from_named",
-    "flatten_bucket", "ipc_message_from_bytes", "ipc_message_to_bytes", "iter_buckets", "load_ipc_bucket",
+    "flatten_bucket", "group_layout", "ipc_message_from_bytes", "ipc_message_to_bytes", "iter_buckets", "load_ipc_bucket",
     "maybe_await", "merge_ipc_buckets", "node_ip", "normalise_expected", "open_ipc_buffers", "payload_and_plan",
     "payload_to_tensors", "select_ipc_handles", "unflatten_bucket", "validate_plan", "visible_cuda_uuids",
 ]

@@ -33,13 +33,27 @@ from actors.weight_sync_wire import (
     encode_message, flatten_bucket, unflatten_bucket,
 )
 
+
+def group_layout(ranks_per_receiver: list[int]) -> tuple[list[int], int]:
+    """The private group's ranks: the learner is rank 0, receiver i (a generator whose engine has k
+    workers, e.g. vLLM with tensor parallelism k) takes k consecutive ranks from first_ranks[i].
+    Returns (first_ranks, world_size)."""
+    firsts, nxt = [], 1
+    for i, k in enumerate(ranks_per_receiver):
+        if int(k) < 1:
+            raise ValueError(f"weight_sync nccl: generator {i} asks for {k} ranks in the group; each needs >= 1")
+        firsts.append(nxt)
+        nxt += int(k)
+    return firsts, nxt
+
+
 @dataclass(frozen=True)
 class Rendezvous:
     """Where the private weight-sync group meets; the learner makes it, the coordinator passes it on."""
 
     host: str
     port: int
-    world_size: int  # 1 (the learner) + one rank per receiving generator process
+    world_size: int  # 1 (the learner) + every receiving process's ranks (group_layout)
     backend: str  # "nccl" or "gloo"
     timeout_s: float
 

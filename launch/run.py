@@ -254,6 +254,22 @@ def ray_on_loopback(enabled: bool):
         ray_constants.ENABLE_RAY_CLUSTER = saved[1]
 
 
+DASHBOARD_MODULES = ("aiohttp", "aiohttp_cors", "opencensus", "prometheus_client")
+
+
+def dashboard_available(log=None) -> bool:
+    """Whether Ray's dashboard can start here (ray[default]'s modules); a bare `ray` wheel (seen on the
+    H200 image: no aiohttp_cors) makes ray.init fail with include_dashboard=True, so the run goes on
+    without it and says so."""
+    import importlib.util
+
+    missing = [m for m in DASHBOARD_MODULES if importlib.util.find_spec(m) is None]
+    if missing and log is not None:
+        log.warning("ray dashboard off: its modules are not installed", missing=",".join(missing),
+                    fix='pip install "ray[default]"')
+    return not missing
+
+
 def start_ray(cfg: RunConfig, run_dir: Path, log) -> None:
     import ray
 
@@ -267,7 +283,8 @@ def start_ray(cfg: RunConfig, run_dir: Path, log) -> None:
             # address="local": always a new cluster of our own, never one found through
             # /tmp/ray/ray_current_cluster (another user's or another run's; RAY_ADDRESS joins one).
             ray.init(address="local", num_cpus=cfg.cluster.num_cpus or None, num_gpus=cfg.cluster.gpus_per_node or None,
-                     include_dashboard=True, dashboard_host=cfg.cluster.dashboard_host, runtime_env=runtime_env,
+                     include_dashboard=dashboard_available(log), dashboard_host=cfg.cluster.dashboard_host,
+                     runtime_env=runtime_env,
                      log_to_driver=False, _temp_dir=os.environ.get("ARL_RAY_TMP") or None)
 
 

@@ -88,3 +88,16 @@ def test_cli_bad_key_is_one_line_and_exit_2():
     assert out.returncode == 2
     assert out.stderr.strip() == "error: unknown config key 'generator.n_sample'; closest: generator.n_samples, generator.stop, generator.seed"
     assert _cli("tinyy").stderr.strip() == "error: unknown recipe 'tinyy'; did you mean tiny?"
+
+
+def test_ray_dashboard_is_skipped_when_its_modules_are_missing(monkeypatch):
+    """A bare `ray` wheel (no aiohttp_cors) cannot start the dashboard: the launcher turns it off
+    instead of failing in ray.init."""
+    import importlib.util
+
+    from launch import run
+
+    assert run.dashboard_available() is True  # the dev install has ray[default]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "aiohttp_cors" else real(name, *a))
+    assert run.dashboard_available() is False

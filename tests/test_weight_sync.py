@@ -423,3 +423,14 @@ def test_send_to_a_dead_receiver_ends_when_the_group_is_closed_not_at_its_timeou
     finally:
         if proc.is_alive():
             proc.kill()
+
+
+def test_group_layout_gives_a_tensor_parallel_engine_consecutive_ranks():
+    """nccl: the learner is rank 0; a TP-4 vLLM engine's 4 workers take 4 consecutive ranks (the
+    coordinator used to give every generator one rank, which a TP engine's workers overflow)."""
+    from actors.weight_sync import group_layout
+
+    assert group_layout([1, 1]) == ([1, 2], 3)
+    assert group_layout([4, 4, 1]) == ([1, 5, 9], 10)
+    with pytest.raises(ValueError, match="generator 1 asks for 0 ranks"):
+        group_layout([2, 0])
