@@ -324,11 +324,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-wait-s", type=float, default=0.02)
     p.add_argument("--max-tokens", type=int, default=0, help="new tokens per answer (0: the export's)")
     p.add_argument("--cpus-per-replica", type=float, default=1.0)
-    p.add_argument("--gpus-per-replica", type=float, default=0.0)
+    p.add_argument("--gpus-per-replica", type=float, default=None, help="default 1 with vllm, 0 otherwise")
     p.add_argument("--ray-address", default="", help="join this cluster (default: start our own, local)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     args = p.parse_args(argv)
-    from launch.export import ExportError, read_settings
+    from launch.export import ExportError, default_engine, read_settings
 
     try:
         if args.replicas < 1 or args.max_batch_size < 1 or not 0 < args.port < 65536:
@@ -342,17 +342,21 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
+    engine = args.engine or default_engine()  # decided here: a replica without a GPU would not see one
+
+    temp_dir = None if args.ray_address else tempfile.mkdtemp(prefix="arl-serve-ray-")
     if args.ray_address:
         ray.init(address=args.ray_address)
     else:
-        ray.init(address="local", include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="arl-serve-ray-"))
+        ray.init(address="local", include_dashboard=False, _temp_dir=temp_dir)
     opts = ServeOptions(model=str(Path(args.model).resolve()), bird_dir=str(Path(args.bird_dir).resolve()),
-                        split=args.split, engine=args.engine, device=args.device, max_batch_size=args.max_batch_size,
+                        split=args.split, engine=engine, device=args.device, max_batch_size=args.max_batch_size,
                         batch_wait_s=args.batch_wait_s, max_tokens=args.max_tokens)
     try:
         actor_options = {"num_cpus": args.cpus_per_replica}
-        if args.gpus_per_replica:
-            actor_options["num_gpus"] = args.gpus_per_replica
+        gpus = args.gpus_per_replica if args.gpus_per_replica is not None else float(engine == "vllm")
+        if gpus:
+            actor_options["num_gpus"] = gpus
         url = start(opts, args.host, args.port, args.replicas, actor_options, args.start_timeout)
         db = next(iter(dbs))
         print(f"serving {args.model} on {url} ({len(dbs)} databases, {args.replicas} replica(s)); Ctrl-C stops\n"
@@ -369,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         serve.shutdown()
         ray.shutdown()
+        if temp_dir is not None:
+            import shutil
+
+            shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
