@@ -4,6 +4,9 @@ Invariants:
 - Old log-probs are computed once per batch (no grad, same packing, same kernels as the update
   pass), before any optimizer step, so every update epoch clips against the same policy. The
   first update from the generator's own weights sees ratio 1, ppo_kl 0, clipfrac 0 exactly.
+- The old log-probs are the PROXIMAL policy of the decoupled objective; the sampler's per-token
+  log-probs (the BEHAVIOUR policy) always reach the loss, which reports mismatch_kl every step and
+  applies learner.correction's importance weight (policies/offpolicy.py) where it is on.
 - Micro-batches are packed rows of whole samples under a token budget (policies/packing.py);
   nothing is padded to [B, max prompt + max response]. Attention never crosses samples.
 - Every rank holds the whole TrainBatch and takes its share of each minibatch's micro-batches
@@ -49,7 +52,9 @@ class Learner(LearnerEngine):
         (every rank checks the whole batch, so a malformed one fails on every rank alike)."""
         groups = batch.groups
         prompts = [torch.from_numpy(unpack_ids(g.prompt_tokens).astype("int64")) for g in groups]
-        use_gen = self.cfg.tis_cap > 0 and all(g.gen_logprobs for g in groups)
+        # The sampler's (behaviour) log-probs always reach the loss: mismatch_kl every step, and the
+        # correction of learner.correction (policies/offpolicy.py) where it is on.
+        use_gen = all(g.gen_logprobs for g in groups)
         seen: set[tuple[int, int]] = set()
         out = []
         for m, plan in enumerate(batch.micro_batches):
@@ -139,6 +144,10 @@ class Learner(LearnerEngine):
         # Additive per-rank quantities (summed over ranks once at the end) and maxima.
         tot: dict[str, float] = {"tokens_fwd": 0.0}
         mx: dict[str, float] = {"ratio_max": 0.0}
+        # "auto" unresolved (a LearnerConfig built without launch.config.validate): the legacy tis_cap switch.
+        correction = None if c.correction == "auto" else c.correction
+        if use_gen and (correction or ("tis" if c.tis_cap > 0 else "off")) != "off":
+            mx["is_weight_max"] = 0.0
         grad_norms: list[float] = []
         scale = float(self.world_size)  # DeepSpeed averages gradients over the world
         for epoch in range(c.update_epochs):
@@ -154,10 +163,11 @@ class Learner(LearnerEngine):
                         clip_high=c.clip_high, agg=c.loss_agg, ref_logprobs=it.get("ref_logprobs"),
                         kl_coef=c.kl_coef, entropy=ent, entropy_coef=c.entropy_coef,
                         gen_logprobs=it["gen_logprobs"], tis_cap=c.tis_cap, seq_ids=pb.sample_index,
-                        normalizer=norm)
+                        normalizer=norm, correction=correction, is_cap=c.correction_cap)
                     self.engine.backward(loss * (scale * weight))
                     w = m.pop("num_tokens") * weight
                     ratio_max = m.pop("ratio_max")
+                    weight_max = m.pop("is_weight_max", 0.0)
                     m.pop("ratio_min", None)
                     # Micro-batch losses are shares of the minibatch loss (one normaliser): they add up,
                     # over micro-batches and over ranks.
@@ -166,6 +176,8 @@ class Learner(LearnerEngine):
                         tot["tokens_fwd"] += pb.num_tokens
                         for key in ("ratio_max", f"epoch{epoch}/ratio_max"):
                             mx[key] = max(mx[key], ratio_max)
+                        if "is_weight_max" in mx:
+                            mx["is_weight_max"] = max(mx["is_weight_max"], weight_max)
                     for k, v in m.items():
                         for prefix in ("", f"epoch{epoch}/"):
                             if k.endswith("_sum"):
@@ -203,6 +215,8 @@ class Learner(LearnerEngine):
         metrics["pg_loss"] = tot["pg_loss_sum"] / num_minibatches / epochs
         metrics["loss"] = tot["loss_sum"] / num_minibatches / epochs
         metrics["ratio_max"] = mx["ratio_max"]
+        if "is_weight_max" in mx:
+            metrics["is_weight_max"] = mx["is_weight_max"]
         if epochs > 1:
             for e in range(epochs):
                 p = f"epoch{e}/"
