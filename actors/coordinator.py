@@ -6,8 +6,9 @@ One step, colocated (shared/DESIGN.md):
   3. learner.wake -> learner.train(step) -> learner.sleep      (after the assembler's batch)
   4. generator.wake(["weights"]) -> weight sync -> generator.wake(["kv_cache"]) -> version + 1
 Async mode skips the sleeps: the next step's prompts are already generating while this step
-trains, at most `max_staleness` versions behind; at the boundary generators pause, take the new
-weights and resume.
+trains, at most `max_staleness` versions behind; at the boundary generators pause (with
+`generator.partial_rollouts`, their engines park in-flight requests instead of finishing them),
+take the new weights and resume (parked requests continue under the new weights).
 
 Invariants:
 - Control calls are awaited in order; a step's handshake never interleaves with another's.
@@ -344,7 +345,9 @@ class Coordinator:
             m["time_generator_wake_weights"] = time.perf_counter() - t
         else:
             t = time.perf_counter()
-            await self._all_generators("pause")
+            # Partial rollouts: engines park their running requests and continue them after the
+            # sync (resume below) instead of the boundary waiting for the longest one.
+            await self._all_generators("pause", cfg.generator.partial_rollouts)
             m["time_generator_pause"] = time.perf_counter() - t
         if trained:
             m["time_weight_sync"] = await self.sync_weights(self.version + 1)
