@@ -65,7 +65,9 @@ class ServeOptions:
     engine_kwargs: dict = field(default_factory=dict)
 
 
-class BadRequest(Exception):
+class RequestError(Exception):
+    """A request the service answers with `status` and {"error": reason} (one line)."""
+
     def __init__(self, status: int, reason: str):
         super().__init__(reason)
         self.status, self.reason = status, reason
@@ -86,36 +88,36 @@ def find_databases(bird_dir: str | Path, split: str) -> dict[str, str]:
 
 
 def field_of(body: Any, name: str, kind: type, required: bool = True, max_chars: int = 0) -> Any:
-    """One checked field of a request body (BadRequest 422 naming it)."""
+    """One checked field of a request body (RequestError 422 naming it)."""
     if name not in body or body[name] is None:
         if required:
-            raise BadRequest(422, f"missing field {name!r}")
+            raise RequestError(422, f"missing field {name!r}")
         return None
     value = body[name]
     if kind is bool and not isinstance(value, bool) or kind is str and not isinstance(value, str):
-        raise BadRequest(422, f"field {name!r} must be a {'boolean' if kind is bool else 'string'}, got {type(value).__name__}")
+        raise RequestError(422, f"field {name!r} must be a {'boolean' if kind is bool else 'string'}, got {type(value).__name__}")
     if kind is str:
         value = value.strip()
         if required and not value:
-            raise BadRequest(422, f"field {name!r} is empty")
+            raise RequestError(422, f"field {name!r} is empty")
         if max_chars and len(value) > max_chars:
-            raise BadRequest(422, f"field {name!r} is {len(value)} characters, the limit is {max_chars}")
+            raise RequestError(422, f"field {name!r} is {len(value)} characters, the limit is {max_chars}")
     return value
 
 
 async def read_json(request: Request) -> dict:
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise BadRequest(413, f"body is {declared} bytes, the limit is {MAX_BODY_BYTES}")
+        raise RequestError(413, f"body is {declared} bytes, the limit is {MAX_BODY_BYTES}")
     raw = await request.body()
     if len(raw) > MAX_BODY_BYTES:
-        raise BadRequest(413, f"body is {len(raw)} bytes, the limit is {MAX_BODY_BYTES}")
+        raise RequestError(413, f"body is {len(raw)} bytes, the limit is {MAX_BODY_BYTES}")
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
-        raise BadRequest(400, f"body is not valid JSON ({str(e).splitlines()[0]})") from None
+        raise RequestError(400, f"body is not valid JSON ({str(e).splitlines()[0]})") from None
     if not isinstance(body, dict):
-        raise BadRequest(400, f"body must be a JSON object, got {type(body).__name__}")
+        raise RequestError(400, f"body must be a JSON object, got {type(body).__name__}")
     return body
 
 
@@ -135,8 +137,8 @@ def _error(status: int, reason: str) -> JSONResponse:
 app = FastAPI(title="arctic-rl text-to-SQL", docs_url=None, redoc_url=None, openapi_url=None)
 
 
-@app.exception_handler(BadRequest)
-async def _bad_request(request: Request, e: BadRequest) -> JSONResponse:
+@app.exception_handler(RequestError)
+async def _bad_request(request: Request, e: RequestError) -> JSONResponse:
     return _error(e.status, e.reason)
 
 
@@ -190,7 +192,7 @@ class SqlService:
         text = render_prompt(question, evidence, self.schema_texts[db_id], s["prompt_style"])
         ids = tokenize_prompt(text, self.tokenizer, int(s["max_prompt_tokens"]), bool(s["use_chat_template"]))
         if ids is None:
-            raise BadRequest(422, f"the prompt for this question on {db_id!r} is over the model's prompt budget "
+            raise RequestError(422, f"the prompt for this question on {db_id!r} is over the model's prompt budget "
                                   f"of {s['max_prompt_tokens']} tokens")
         return PromptTask(task_id=f"serve:{next(self.ids)}", prompt_id="serve", step=-1, policy_version=0,
                           prompt_tokens=pack_ids(ids), n=1, db_id=db_id, db_path=self.dbs[db_id],
@@ -213,7 +215,7 @@ class SqlService:
     def _db(self, body: dict) -> str:
         db_id = field_of(body, "db_id", str)
         if db_id not in self.dbs:
-            raise BadRequest(404, f"unknown db_id {db_id!r} (GET /v1/databases lists {len(self.dbs)})")
+            raise RequestError(404, f"unknown db_id {db_id!r} (GET /v1/databases lists {len(self.dbs)})")
         return db_id
 
     # -- routes ----------------------------------------------------------------------------------
@@ -234,10 +236,10 @@ class SqlService:
         try:
             group, batch = await asyncio.wait_for(self.generate_batch(task), self.opts.request_timeout_s)
         except asyncio.TimeoutError:
-            raise BadRequest(504, f"generation took over {self.opts.request_timeout_s:g} s") from None
+            raise RequestError(504, f"generation took over {self.opts.request_timeout_s:g} s") from None
         gen_s = time.perf_counter() - start
         if isinstance(group, TaskError):
-            raise BadRequest(422, str(group))
+            raise RequestError(422, str(group))
         if isinstance(group, BaseException):
             raise group
         sample = group.samples[0]
