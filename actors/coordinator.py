@@ -347,8 +347,9 @@ class Coordinator:
             t = time.perf_counter()
             # Partial rollouts: engines park their running requests and continue them after the
             # sync (resume below) instead of the boundary waiting for the longest one.
-            await self._all_generators("pause", cfg.generator.partial_rollouts)
+            parked = await self._all_generators("pause", cfg.generator.partial_rollouts)
             m["time_generator_pause"] = time.perf_counter() - t
+            m["interrupted_requests"] = float(sum(p or 0 for p in parked))
         if trained:
             m["time_weight_sync"] = await self.sync_weights(self.version + 1)
             self.version += 1

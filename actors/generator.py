@@ -223,21 +223,24 @@ class Generator:
 
     # -- control -----------------------------------------------------------------------------
 
-    async def pause(self, interrupt: bool = False) -> None:
+    async def pause(self, interrupt: bool = False) -> int:
         """Stops pulling; returns once every in-flight group is published, or with interrupt=True
-        (and an engine that supports it) once the engine has parked them (module invariant)."""
+        (and an engine that supports it) once the engine has parked them (module invariant).
+        Returns how many requests the engine parked (0 for a waiting pause)."""
         self._bind()
         self._paused = True
         self._resumed.clear()
         self._notify()
         if interrupt and self.engine.supports_partial:
             await self._wait_until(lambda: not self._pulling)
+            parked = await self.engine.interrupt()
             self._m["interrupts"] += 1
-            self._m["interrupted_requests"] += await self.engine.interrupt()
+            self._m["interrupted_requests"] += parked
             self._interrupted = True
-            return
+            return parked
         self._continue_parked()
         await self._wait_until(lambda: not self._pulling and not self._inflight)
+        return 0
 
     def _continue_parked(self) -> None:
         if self._interrupted:

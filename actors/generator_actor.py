@@ -76,8 +76,8 @@ class GeneratorActor:
         return {"pid": os.getpid(), "version": self.gen.version, "needs_weights": self.needs_weights,
                 "reconstructed": self.reconstructed, "engine_built": getattr(self.gen.engine, "built", True)}
 
-    async def pause(self, interrupt: bool = False) -> None:
-        await self.gen.pause(interrupt)
+    async def pause(self, interrupt: bool = False) -> int:
+        return await self.gen.pause(interrupt)
 
     async def resume(self) -> None:
         self.gen.resume()

@@ -66,6 +66,11 @@ def test_tiny_async_mode_with_replacement_prompts_and_broadcast_weight_sync(tmp_
     for r in steps:
         assert r["prompts"] == sum(r.get(f"prompts_{k}", 0) for k in OUTCOMES) == 8 + r["prompts_replacement"], r
         assert r.get("time_generator_sleep") is None  # async mode never sleeps the engines
+        # Off-policy by one version: the correction is on by default and visible every step; the
+        # boundary interrupts in-flight requests (partial rollouts) instead of waiting for them.
+        assert r["train_mismatch_kl"] >= 0 and r["train_is_weight_mean"] > 0 and r["train_is_weight_max"] <= 2.0, r
+        assert 0 <= r["staleness_mean"] <= r["staleness_max"] <= 1 and "interrupted_requests" in r, r
+        assert sum(v for k, v in r.items() if k.startswith("tokens_lag")) == pytest.approx(1.0), r
     assert any(r["prompts_replacement"] > 0 for r in steps)  # tiny's short warm start leaves groups to replace
     # A sync only completes when the learner and every generator returned its version.
     assert [(r["policy_version"], r.get("time_weight_sync", 0.0) > 0) for r in steps] == [(1, True), (2, True), (3, True)], \
