@@ -55,32 +55,48 @@ def test_an_export_is_complete_or_absent(tmp_path):
     assert latest_export(tmp_path) == final and sorted(p.name for p in final.parent.iterdir()) == ["step_5"]
 
 
-def test_checkpoints_export_prune_and_resume_through_the_coordinator(tmp_path):
-    """Five checkpointed steps with keep_checkpoints=2 over a real LearnerShell; then the learner is
-    dropped ("killed") and a fresh one resumes from what pruning left."""
+# Trains 5 checkpointed steps with keep_checkpoints=2 over a real LearnerShell, then SIGKILLs itself.
+_TRAIN_THEN_DIE = """
+import asyncio, os, signal, sys
+from actors.coordinator import Coordinator
+from actors.learner_actor import LearnerShell
+from launch.recipes import tiny
+from tasks.tiny_model import build_tiny
+
+cfg = tiny()
+cfg.coordinator.keep_checkpoints = 2
+run_dir = sys.argv[1]
+model_dir = build_tiny(run_dir + "/model", model_cfg=cfg.model, seed=0)
+learner = LearnerShell(cfg.learner, cfg.model, model_dir, 10, cfg.assembler.micro_batch_tokens)
+coord = Coordinator(cfg, "exp", run_dir, "", [], [], generators=[], learner=learner, assembler=None)
+for step in range(5):
+    learner.sft_step([([5, 6, 7, 8, 9, 10], [11, 12, 13])], 1e-2)
+    coord.version = step + 1
+    asyncio.run(coord.save_checkpoint(step))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_checkpoints_export_prune_then_kill_and_resume(tmp_path):
+    """A process checkpoints 5 steps (keep_checkpoints=2) and is SIGKILLed; a fresh learner resumes
+    from what pruning left, and the last export, loaded by plain transformers, gives its log-probs."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
     from transformers import AutoModelForCausalLM
 
     from actors.coordinator import Coordinator
     from actors.learner_actor import LearnerShell
     from launch.recipes import tiny
-    from tasks.tiny_model import build_tiny
 
-    cfg = tiny()
-    cfg.coordinator.keep_checkpoints = 2
-    cfg.coordinator.weight_sync = "object_store"
     run_dir = tmp_path / "run"
-    model_dir = build_tiny(str(run_dir / "model"), model_cfg=cfg.model, seed=0)
-
-    def shell():
-        return LearnerShell(cfg.learner, cfg.model, model_dir, 10, cfg.assembler.micro_batch_tokens)
-
-    pair = ([5, 6, 7, 8, 9, 10], [11, 12, 13])
-    learner = shell()
-    coord = Coordinator(cfg, "exp", str(run_dir), "", [], [], generators=[], learner=learner, assembler=None)
-    for step in range(5):
-        learner.sft_step([pair], 1e-2)
-        coord.version = step + 1
-        asyncio.run(coord.save_checkpoint(step))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", _TRAIN_THEN_DIE, str(run_dir)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     ckpts = run_dir / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_000003", "step_000004"]
     assert sorted(p.name for p in (run_dir / "hf").iterdir()) == [f"step_{n}" for n in range(1, 6)]
@@ -88,18 +104,8 @@ def test_checkpoints_export_prune_and_resume_through_the_coordinator(tmp_path):
     assert export.name == "step_5" and read_settings(export)["prompt_style"] == "compact"
     assert (export / "tokenizer.json").is_file() and (export / "generation_config.json").is_file()
 
-    # The export, loaded by plain transformers, gives the learner's log-probs.
-    expected = learner.learner.logprobs([pair])[0]
-    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
-    ids = torch.tensor([pair[0] + pair[1]])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(pair[0]) - 1: -1] / learner.learner.temperature
-    got = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(pair[1])[:, None]).squeeze(1)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-
-    trained = {k: v.clone() for k, v in learner.learner.state_dict_hf().items()}
-    del learner, coord  # the run dies here
-    fresh = shell()
+    cfg = tiny()
+    fresh = LearnerShell(cfg.learner, cfg.model, str(run_dir / "model"), 10, cfg.assembler.micro_batch_tokens)
     resumed = Coordinator(cfg, "exp", str(run_dir), "", [], [], generators=[], learner=fresh, assembler=None)
 
     async def no_generators_to_sync(version):  # no generators here (and no Ray for the object store)
@@ -110,5 +116,16 @@ def test_checkpoints_export_prune_and_resume_through_the_coordinator(tmp_path):
     assert latest.name == "step_000004"
     asyncio.run(resumed.resume_from(latest))
     assert resumed.step == 5 and resumed.version == 5
+
+    # The export of the killed run, loaded by plain transformers, gives the resumed learner's log-probs.
+    pair = ([5, 6, 7, 8, 9, 10], [11, 12, 13])
+    expected = fresh.learner.logprobs([pair])[0]
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([pair[0] + pair[1]])).logits[0, len(pair[0]) - 1: -1]
+    logits = logits.float() / fresh.learner.temperature
+    got = torch.log_softmax(logits, -1).gather(1, torch.tensor(pair[1])[:, None]).squeeze(1)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    exported = dict(model.named_parameters())
     for name, tensor in fresh.learner.state_dict_hf().items():
-        torch.testing.assert_close(tensor, trained[name], atol=0, rtol=0)
+        torch.testing.assert_close(exported[name].detach(), tensor, atol=0, rtol=0)
