@@ -42,6 +42,8 @@ class GeneratorActor:
             engine = DeferredEngine(lambda: make_engine(generator_cfg, model_cfg, model_path))
         else:
             engine = make_engine(generator_cfg, model_cfg, model_path)
+        if not colocated and getattr(generator_cfg, "partial_rollouts", False) and hasattr(engine, "enable_partial"):
+            engine.enable_partial()  # vLLM: streaming per-sample requests it can interrupt and resubmit
         self.gen = Generator(engine, generator_cfg, reclaim_idle_s=reclaim_idle_s, stream_high_water=stream_high_water)
         self.needs_weights = self.reconstructed
         self._weights_ready = asyncio.Event()

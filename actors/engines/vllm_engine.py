@@ -26,6 +26,8 @@ Invariants:
   a CUDA child, and vLLM only detects an initialised CUDA context (seen on the H200, 2026-12-03).
 - The user's `engine_kwargs` are deep-converted to plain dicts/lists and passed through;
   a key that is not an AsyncEngineArgs field is an error naming it, never silently dropped.
+- Partial rollouts (async mode): after `enable_partial()` a group is n streaming requests that a
+  weight update interrupts and resubmits with their tokens appended (actors/engines/vllm_partial.py).
 - vLLM is imported lazily; `VLLM_API` below lists every vLLM symbol and parameter this file
   uses, and tests/test_vllm_adapter.py checks exactly that list against the installed vLLM.
 """
@@ -42,6 +44,7 @@ import time
 from typing import Any, Iterable, Mapping
 
 from actors.engines.base import Engine, check_wake_tags, prompt_ids, resolve_sampling
+from actors.engines.vllm_partial import PartialRequests
 from queues.messages import PromptTask, RolloutGroup, Sample, pack_floats, pack_ids
 
 log = logging.getLogger(__name__)
@@ -55,6 +58,7 @@ VLLM_API: list[tuple[str, tuple[str, ...]]] = [
                              "skip_special_tokens", "output_kind")),
     ("vllm.inputs.TokensPrompt", ("prompt_token_ids",)),
     ("vllm.sampling_params.RequestOutputKind.FINAL_ONLY", ()),
+    ("vllm.sampling_params.RequestOutputKind.DELTA", ()),
     ("vllm.v1.engine.async_llm.AsyncLLM.from_engine_args", ("engine_args",)),
     ("vllm.v1.engine.async_llm.AsyncLLM.generate", ("prompt", "sampling_params", "request_id")),
     ("vllm.v1.engine.async_llm.AsyncLLM.abort", ("request_id",)),
@@ -184,8 +188,10 @@ def _raw(buffer: Any) -> bytes:
     return memoryview(buffer).cast("B").tobytes()
 
 
-class VLLMEngine(Engine):
+class VLLMEngine(PartialRequests, Engine):
     loads_in_workers = True
+    _sym_fn = staticmethod(_sym)
+    _sample_fn = staticmethod(sample_from_completion)
 
     def __init__(self, generator_cfg: Any, model_cfg: Any, model_path: str):
         self.cfg = generator_cfg
@@ -210,6 +216,8 @@ class VLLMEngine(Engine):
     async def generate(self, task: PromptTask) -> RolloutGroup:
         s = resolve_sampling(self.cfg, task)
         ids = prompt_ids(task, self.max_model_len, self.vocab_size)
+        if self._partial:  # async mode with partial rollouts: actors/engines/vllm_partial.py
+            return await self._generate_partial(task, s, ids, min(s.max_tokens, self.max_model_len - len(ids)))
         params = _sym("vllm.SamplingParams")(
             n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else -1,
             max_tokens=min(s.max_tokens, self.max_model_len - len(ids)), stop=s.stop or None, logprobs=0,
@@ -294,6 +302,8 @@ class VLLMEngine(Engine):
         self.version = int(version)
 
     def abort(self) -> None:
+        if self._partial:
+            self._abort_partial()
         ids = list(self._inflight)
         if ids:
             asyncio.get_running_loop().create_task(self.llm.abort(request_id=ids))

@@ -1,0 +1,107 @@
+"""vLLM partial rollouts (actors/engines/vllm_partial.py) over a FAKE AsyncLLM (vLLM needs a GPU):
+interrupted requests are aborted, resubmitted with their tokens appended and finish under the new
+version; log-probs stay as they were; abort() while parked ends the group."""
+import asyncio
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from actors.engines import vllm_partial
+from actors.engines.vllm_engine import VLLM_API, VLLMEngine
+from launch.config import GeneratorConfig
+from queues.messages import PromptTask, pack_ids, sample_versions, unpack_floats, unpack_ids
+
+
+@dataclass
+class _Logprob:
+    logprob: float
+
+
+class FakeAsyncLLM:
+    """Streams one token per 2 ms per request (DELTA), token = position in the sequence, log-prob =
+    -(position) / 100 - version; abort ends a stream with finish_reason "abort"."""
+
+    def __init__(self, engine):
+        self.engine, self.prompts, self.aborted = engine, [], set()
+
+    async def generate(self, prompt, sampling_params, request_id):
+        ids = prompt["prompt_token_ids"]
+        self.prompts.append(list(ids))
+        for k in range(sampling_params["max_tokens"]):
+            await asyncio.sleep(0.002)
+            if request_id in self.aborted:
+                yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[], logprobs=[], text="", finish_reason="abort")])
+                return
+            tok = len(ids) + k
+            lp = -tok / 100 - self.engine.version
+            last = k == sampling_params["max_tokens"] - 1
+            yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[tok], logprobs=[{tok: _Logprob(lp)}], text="x",
+                                                           finish_reason="length" if last else None)])
+
+    async def abort(self, request_id):
+        self.aborted.update(request_id)
+
+
+def fake_sym(name):
+    return {"vllm.SamplingParams": dict, "vllm.inputs.TokensPrompt": dict,
+            "vllm.sampling_params.RequestOutputKind.DELTA": "delta"}[name]
+
+
+def make_engine(max_tokens=30):
+    eng = object.__new__(VLLMEngine)  # no vLLM here: only the state generate() and the mixin use
+    eng.cfg = GeneratorConfig(engine="vllm", max_tokens=max_tokens, temperature=1.0)
+    eng.version, eng.max_model_len, eng.vocab_size = 0, 4096, None
+    eng._ids, eng._inflight = iter(range(10**6)), set()
+    eng._m = {"requests": 0, "tokens": 0, "busy_s": 0.0}
+    eng._sym_fn = fake_sym
+    eng.llm = FakeAsyncLLM(eng)
+    eng.enable_partial()
+    return eng
+
+
+def _task(n=2):
+    return PromptTask(task_id="0:0:0", prompt_id="q", step=0, policy_version=0, prompt_tokens=pack_ids([7, 8, 9]), n=n)
+
+
+async def test_fake_vllm_interrupted_group_is_resubmitted_with_its_tokens_and_finishes_under_the_new_version():
+    eng = make_engine()
+    running = asyncio.create_task(eng.generate(_task()))
+    while eng._m["requests"] < 2 or eng._streaming < 2:
+        await asyncio.sleep(0.001)
+    await asyncio.sleep(0.02)
+    assert await eng.interrupt() == 1 and not running.done()
+    eng.version = 1
+    assert eng.continue_interrupted() == 1
+    group = await asyncio.wait_for(running, 10)
+    assert group.policy_version == 0
+    for s in group.samples:
+        tokens, lps = unpack_ids(s.tokens).tolist(), unpack_floats(s.logprobs).tolist()
+        versions = sample_versions(s, 0).tolist()
+        assert tokens == list(range(3, 3 + 30)) and s.finish_reason == "length"  # nothing lost, nothing repeated
+        k = versions.count(0)
+        assert 0 < k < 30 and versions == [0] * k + [1] * (30 - k)
+        assert lps == pytest.approx([-t / 100 - v for t, v in zip(tokens, versions)], abs=1e-6)
+    resubmitted = eng.llm.prompts[2:]
+    assert len(resubmitted) == 2 and all(p[:3] == [7, 8, 9] and len(p) > 3 for p in resubmitted)
+
+
+async def test_fake_vllm_abort_while_parked_ends_the_group_instead_of_resubmitting():
+    eng = make_engine()
+    running = asyncio.create_task(eng.generate(_task(n=1)))
+    while eng._streaming < 1:
+        await asyncio.sleep(0.001)
+    await asyncio.sleep(0.01)
+    await eng.interrupt()
+    eng.abort()
+    group = await asyncio.wait_for(running, 10)
+    assert group.samples[0].finish_reason == "abort" and len(eng.llm.prompts) == 1
+
+
+def test_every_vllm_symbol_the_partial_path_uses_is_in_VLLM_API():
+    source = Path(vllm_partial.__file__).read_text()
+    used = set(re.findall(r'_sym_fn\("([^"]+)"\)', source))
+    assert used and used <= {path for path, _ in VLLM_API}
+    assert set(re.findall(r"self\.llm\.(\w+)\(", source)) <= {p.rsplit(".", 1)[1] for p, _ in VLLM_API if ".AsyncLLM." in p}
