@@ -377,7 +377,7 @@ class Coordinator:
     async def save_checkpoint(self, step: int) -> Path:
         """DeepSpeed checkpoint + cursor, then the HF export of the same weights (hf/step_<step+1>),
         then the `latest` marker, then pruning (launch/export.py: never the latest checkpoint)."""
-        from launch.export import prune_checkpoints, write_atomic
+        from launch.export import prune_checkpoints, prune_exports, write_atomic
 
         path = self.checkpoint_dir(step)
         path.mkdir(parents=True, exist_ok=True)
@@ -392,9 +392,10 @@ class Coordinator:
         await self.export_hf(step + 1)
         write_atomic(self.run_dir / "checkpoints" / "latest", path.name)
         pruned = prune_checkpoints(self.run_dir / "checkpoints", self.cfg.coordinator.keep_checkpoints)
+        pruned += prune_exports(self.run_dir / "hf", self.cfg.coordinator.keep_exports)
         if pruned and self.log is not None:
-            self.log.info("checkpoints pruned", removed=[p.name for p in pruned],
-                          keep=self.cfg.coordinator.keep_checkpoints)
+            self.log.info("checkpoints pruned", removed=[f"{p.parent.name}/{p.name}" for p in pruned],
+                          keep=self.cfg.coordinator.keep_checkpoints, keep_exports=self.cfg.coordinator.keep_exports)
         return path
 
     async def export_hf(self, steps_done: int) -> Path:

@@ -159,7 +159,8 @@ class CoordinatorConfig(_Section):
     weight_sync: Literal["auto", "object_store", "cuda_ipc", "nccl"] = "auto"
     weight_bucket_mb: int = 512
     checkpoint_every: int = 0  # 0: never (a final checkpoint is still written)
-    keep_checkpoints: int = 3  # DeepSpeed checkpoints kept (newest, and always the latest; 0: all); HF exports stay
+    keep_checkpoints: int = 3  # DeepSpeed checkpoints kept (newest, and always the latest; 0: all)
+    keep_exports: int = 3  # HF exports under hf/ kept (the newest; 0: all): a 32B export is ~64 GB
     eval_every: int = 0  # 0: never
     resume: bool = False
     step_timeout_s: float = 3600.0
@@ -347,6 +348,7 @@ def check(cfg: RunConfig) -> None:
     need(cfg.coordinator.prompts_per_step >= 1, "coordinator.prompts_per_step", "must be >= 1")
     need(cfg.coordinator.steps >= 0, "coordinator.steps", "must be >= 0")
     need(cfg.coordinator.keep_checkpoints >= 0, "coordinator.keep_checkpoints", "must be >= 0 (0 keeps all)")
+    need(cfg.coordinator.keep_exports >= 0, "coordinator.keep_exports", "must be >= 0 (0 keeps all)")
     need(cfg.assembler.max_staleness >= 0, "assembler.max_staleness", "must be >= 0")
     need(cfg.assembler.micro_batch_tokens >= 16, "assembler.micro_batch_tokens", "must be >= 16")
     need(cfg.assembler.minibatches_per_step >= 1, "assembler.minibatches_per_step", "must be >= 1")

@@ -133,7 +133,7 @@ def inference_settings(cfg: Any, run_id: str = "", steps_done: int = 0) -> dict[
 def checkpoints_to_prune(names: list[str], keep: int, latest: str | None) -> list[str]:
     """The step_* names to delete: all but the `keep` newest and the one `latest` names (keep=0: none)."""
     if keep < 0:
-        raise ValueError(f"coordinator.keep_checkpoints must be >= 0, got {keep}")
+        raise ValueError(f"keep must be >= 0 (coordinator.keep_checkpoints / keep_exports), got {keep}")
     steps = sorted((int(m.group(1)), n) for n in names if (m := _STEP_DIR.match(n)))
     if keep == 0 or len(steps) <= keep:
         return []
@@ -150,6 +150,16 @@ def prune_checkpoints(checkpoints_root: str | Path, keep: int) -> list[Path]:
         return []  # no complete checkpoint yet: nothing is provably safe to delete
     names = [p.name for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
     doomed = [root / n for n in checkpoints_to_prune(names, keep, latest)]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def prune_exports(hf_root: str | Path, keep: int) -> list[Path]:
+    """Deletes all but the `keep` newest complete exports under <run_dir>/hf (keep=0: none); returns them."""
+    root = Path(hf_root)
+    names = [p.name for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+    doomed = [root / n for n in checkpoints_to_prune(names, keep, None)]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed

@@ -18,7 +18,7 @@ def test_pruning_keeps_the_newest_and_always_the_latest():
     assert checkpoints_to_prune(names, keep=1, latest="step_000009") == ["step_000004", "step_000014"]
     assert checkpoints_to_prune(names, keep=0, latest=None) == []
     assert checkpoints_to_prune(names[:2], keep=3, latest="step_000009") == []
-    with pytest.raises(ValueError, match="keep_checkpoints"):
+    with pytest.raises(ValueError, match="keep must be >= 0"):
         checkpoints_to_prune(names, keep=-1, latest=None)
 
 
@@ -65,6 +65,7 @@ from tasks.tiny_model import build_tiny
 
 cfg = tiny()
 cfg.coordinator.keep_checkpoints = 2
+cfg.coordinator.keep_exports = 3
 run_dir = sys.argv[1]
 model_dir = build_tiny(run_dir + "/model", model_cfg=cfg.model, seed=0)
 learner = LearnerShell(cfg.learner, cfg.model, model_dir, 10, cfg.assembler.micro_batch_tokens)
@@ -78,7 +79,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_checkpoints_export_prune_then_kill_and_resume(tmp_path):
-    """A process checkpoints 5 steps (keep_checkpoints=2) and is SIGKILLed; a fresh learner resumes
+    """A process checkpoints 5 steps (keep_checkpoints=2, keep_exports=3) and is SIGKILLed; a fresh learner resumes
     from what pruning left, and the last export, loaded by plain transformers, gives its log-probs."""
     import os
     import signal
@@ -99,7 +100,7 @@ def test_checkpoints_export_prune_then_kill_and_resume(tmp_path):
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     ckpts = run_dir / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_000003", "step_000004"]
-    assert sorted(p.name for p in (run_dir / "hf").iterdir()) == [f"step_{n}" for n in range(1, 6)]
+    assert sorted(p.name for p in (run_dir / "hf").iterdir()) == [f"step_{n}" for n in range(3, 6)]  # keep_exports=3
     export = latest_export(run_dir)
     assert export.name == "step_5" and read_settings(export)["prompt_style"] == "compact"
     assert (export / "tokenizer.json").is_file() and (export / "generation_config.json").is_file()
