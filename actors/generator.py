@@ -255,8 +255,9 @@ class Generator:
         self._notify()
 
     def stop(self) -> None:
-        """run() returns after its in-flight tasks are published."""
+        """run() returns after its in-flight tasks are published (parked ones continue first)."""
         self._bind()
+        self._continue_parked()
         self._stop = True
         self._resumed.set()
         self._notify()

@@ -130,3 +130,21 @@ async def test_simulated_engine_parks_and_continues_groups_with_per_tick_version
     for s in group.samples:
         v = sample_versions(s, 0).tolist()
         assert len(v) == len(s.tokens) // 4 and v[0] == 0 and v[-1] == 1 and v == sorted(v)
+
+
+async def test_stop_while_requests_are_parked_finishes_them_instead_of_hanging(redis_url):
+    cfg = GeneratorConfig(engine="simulated", max_tokens=400, max_inflight_prompts=4)
+    engine = SimulatedEngine(cfg, mean_response_tokens=200, sigma=0.01, tick_s=0.002, seed=1)
+    gen = Generator(engine, cfg, consume_block_ms=20)
+    redis = await connect(redis_url)
+    prompts = Stream(redis, RUN, "prompts", group="generators")
+    await prompts.ensure_group()
+    task = PromptTask(task_id="0:0:0", prompt_id="q", step=0, policy_version=0, prompt_tokens=pack_ids([1, 2]), n=2)
+    await prompts.publish(codec(PromptTask).encode(task))
+    runner = asyncio.create_task(gen.run(redis_url, RUN, "gen-0"))
+    await _until(lambda: engine._live > 0, 30, "never started")
+    assert await gen.pause(interrupt=True) == 1
+    gen.stop()
+    await asyncio.wait_for(runner, 30)  # the parked group finished and was published
+    assert gen.stats()["generator_groups_published"] == 1.0
+    await redis.aclose()
