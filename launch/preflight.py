@@ -41,6 +41,9 @@ from launch.placement import Placement, make_placement
 
 
 LOOPBACK = "127.0.0.1"
+# Each wait on the probes (reports, rendezvous, collectives): generous, because a simulated bird_32b
+# starts 44 probe processes and imports torch in 40 of them on one (possibly shared) 2-core machine.
+PROBE_TIMEOUT_S = 300.0
 # A simulated node has as many logical CPUs as its bundles need; Ray would start that many idle workers.
 NO_PRESTART = {"RAY_prestart_worker_first_driver": "0", "RAY_enable_worker_prestart": "0"}
 
@@ -142,7 +145,7 @@ def _paths(cfg: RunConfig, role: str, simulate: bool) -> list[str]:
 
 
 def run_probes(cfg: RunConfig, redis_url: str, simulate: bool, placement_timeout_s: float = 120.0,
-               timeout_s: float = 120.0, names: str = "preflight") -> PreflightResult:
+               timeout_s: float = PROBE_TIMEOUT_S, names: str = "preflight") -> PreflightResult:
     """Steps 1-5 on the Ray cluster this process is connected to."""
     import ray
 
@@ -285,7 +288,7 @@ def simulated_cluster(placement: Placement, temp_root: str | None = None):
 
 
 def preflight(cfg: RunConfig, simulate: bool = False, placement_timeout_s: float = 120.0,
-              timeout_s: float = 120.0) -> PreflightResult:
+              timeout_s: float = PROBE_TIMEOUT_S) -> PreflightResult:
     """The whole check: Redis (REDIS_URL or an embedded one), Ray (simulated or the configured one), steps 1-5."""
     import ray
 
