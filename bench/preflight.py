@@ -30,7 +30,7 @@ def run_once(recipe: str, timeout_s: float) -> tuple[float, dict[str, float], st
         raise SystemExit(f"{recipe} --preflight --simulate failed (rc {r.returncode}): "
                          f"{(r.stderr.strip().splitlines() or ['?'])[-1]}")
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("timings: ")), "")
-    phases = {k: float(v) for k, v in re.findall(r"([a-z -]+?) ([0-9.]+) s", line.removeprefix("timings: "))}
+    phases = {k.strip(): float(v) for k, v in re.findall(r"([a-z -]+?) ([0-9.]+) s", line.removeprefix("timings: "))}
     actors = next((ln for ln in r.stdout.splitlines() if ln.startswith("preflight: ")), "")
     return wall, phases, actors
 
