@@ -5,6 +5,15 @@ their in-flight calls (their stream loops) are retried on the new instance, whic
 back the messages it held (same consumer name) — so a death costs time, never data. The
 learner and the coordinator hold training state: they are not restarted in place; a run that
 loses them continues with `coordinator.resume=true` from the last checkpoint.
+
+Placement: every actor is created with the Ray options of its slot in
+launch.placement.make_placement(cfg) (`actor_options`), the function --dry-run renders and --preflight
+builds. GPU recipes get one STRICT_PACK placement group per plan node, ready within
+cluster.placement_timeout_s or a one-line PlacementFailed naming the plan node (and any dead Ray
+node); a generator gets `device_ids`, the GPU ids Ray gave its TP bundles (found by a tiny task in
+each bundle). The groups live as long as one place_and_run: removed when it returns or raises, so a
+relaunch places afresh. CPU recipes use no group; their CPU requests must fit the cluster's CPUs
+(else PlacementFailed at once, not an actor pending forever).
 """
 from __future__ import annotations
 

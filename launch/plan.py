@@ -402,8 +402,9 @@ def make_plan(cfg: RunConfig, recipe: str | None = None) -> Plan:
     plan = Plan(recipe, mode, shape, n, mem, total_gpus, world, placements, gpu_memory, facts, notes, errors,
                 placement=placement)
     if cl.num_cpus and cl.num_nodes == 1:
-        plan.cpu_requested = sum(a.num_cpus for a in placement.actors)
+        plan.cpu_requested = sum(b.get("CPU", 0.0) for b in placement.bundles[0])  # what the group reserves
         plan.cpu_available = float(cl.num_cpus)
         if plan.cpu_requested > plan.cpu_available + 1e-9:
-            errors.append(f"CPU requests sum to {plan.cpu_requested:g} but cluster.num_cpus gives {cl.num_cpus}")
+            errors.append(f"CPU: node 0's placement group reserves {plan.cpu_requested:g} CPUs but cluster.num_cpus "
+                          f"gives {cl.num_cpus}")
     return plan

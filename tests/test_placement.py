@@ -147,3 +147,10 @@ def test_bird_recipes_ask_for_an_attention_that_runs():
         pytest.skip("flash-attn imports on this machine")
     with pytest.raises(ConfigError, match="'model.attn_implementation': flash_attention_2 needs the flash-attn"):
         check_attention(flash)
+
+
+def test_the_plan_counts_the_cpus_node_0_s_placement_group_reserves():
+    plan = make_plan(cfg_for("bird_1p7b", "cluster.num_cpus=16"))
+    assert plan.cpu_requested == 8 * 2 + 1  # 8 x {GPU 1, CPU 2} + the CPU actors' {CPU 1}
+    assert not plan.fits and "node 0's placement group reserves 17 CPUs but cluster.num_cpus gives 16" in plan.errors[-1]
+    assert make_plan(cfg_for("bird_1p7b", "cluster.num_cpus=17")).fits
