@@ -53,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
             except PreflightFailed as e:
                 print(f"error: preflight: {e}", file=sys.stderr)
                 return 1
+            except Exception as e:  # noqa: BLE001 - anything else is one line too (Ray, sockets)
+                from launch.run import one_line
+
+                print(f"error: preflight: {one_line(e)}", file=sys.stderr)
+                return 1
             return 0
         from launch.run import run
 

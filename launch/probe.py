@@ -63,7 +63,9 @@ def redis_ping(url: str, timeout_s: float) -> str:
     except Exception as e:  # noqa: BLE001 - any failure is the answer
         from queues.streams import redact
 
-        return redact(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")[:200]
+        hint = (" (a unix socket reaches one machine only: give every node REDIS_URL=redis://host:port)"
+                if url.startswith("unix") else "")
+        return redact(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")[:200] + hint
 
 
 def unreadable(paths: list[str]) -> list[str]:

@@ -129,8 +129,9 @@ def test_launcher_builds_the_plan_s_placement_fake_gpu_actors_stand_in(cluster_3
 
 def test_unreachable_redis_names_the_actor_and_node(cluster_32b, tmp_path):
     cfg = get_recipe("tiny")  # 5 CPU probes (no placement group) are enough to see the check
-    with pytest.raises(PreflightFailed, match=r"^generator-0 on 127\.0\.0\.1 \(plan node 0\): Redis does not answer"):
+    with pytest.raises(PreflightFailed, match=r"^generator-0 on 127\.0\.0\.1 \(plan node 0\): Redis does not answer") as e:
         run_probes(cfg, f"unix://{tmp_path}/no-redis.sock", simulate=True, timeout_s=60)
+    assert str(e.value).endswith("give every node REDIS_URL=redis://host:port)") and "\n" not in str(e.value)
 
 
 def test_a_dead_node_fails_preflight_in_one_line_naming_it(cluster_32b):
