@@ -95,12 +95,12 @@ def test_launcher_builds_the_plan_s_placement_fake_gpu_actors_stand_in(cluster_3
 
     import actors.assembler
     import actors.generator
-    import actors.learner
+    import actors.learner_actor
     import actors.scorer
     from launch.place import create_actors, group_nodes, remove_groups
     from launch.plan import make_plan
 
-    for module, name in ((actors.generator, "GeneratorActor"), (actors.learner, "LearnerActor"),
+    for module, name in ((actors.generator, "GeneratorActor"), (actors.learner_actor, "LearnerActor"),
                          (actors.scorer, "ScorerActor")):
         monkeypatch.setattr(module, name, ray.remote(_StandIn))
     monkeypatch.setattr(actors.assembler, "Assembler", _StandIn)
