@@ -16,7 +16,7 @@ What runs (one process, one asyncio loop, plus an embedded redis-server):
                `train_s_per_ktok` per 1,000 trained tokens; sleep/wake and the weight sync
                sleep fixed times (colocated pays sleep + wake every step, both modes pay the sync)
 Measured over steps 2..N (the first step fills the pipeline): samples trained per second, and
-the generator's idle fraction (sampled every 5 ms: no sequence decoding), plus the staleness and
+the generator's idle fraction (no sequence decoding; sampled every 5 ms, time-weighted), plus the staleness and
 interruption metrics the coordinator logs. Every number is a latency model's: the ratios between
 modes are what the bench is for, not the absolute times.
 """
@@ -202,10 +202,13 @@ async def run_mode(name: str, s: Settings, redis_url: str) -> dict:
     start, end = clock.rows[0][0], clock.rows[-1][0]  # steps 2..N: from the end of step 1
     rows = [m for _, m in clock.rows[1:]]
     trained = sum(m.get("prompts_trained", 0.0) for m in rows) * s.samples
-    window = [i for t, i in idle if start <= t <= end]
+    # Time-weighted: each sample holds until the next one (a busy loop wakes the sampler late,
+    # so unweighted samples would over-count the idle stretches, when it wakes on time).
+    spans = [(t1 - t0, i0) for (t0, i0), (t1, _) in zip(idle, idle[1:]) if start <= t0 and t1 <= end]
     return {
         "mode": name, "samples_per_s": trained / (end - start), "step_s": (end - start) / len(rows),
-        "generator_idle_frac": sum(window) / max(1, len(window)), "wall_s": time.perf_counter() - t0,
+        "generator_idle_frac": sum(d for d, i in spans if i) / max(1e-9, sum(d for d, _ in spans)),
+        "wall_s": time.perf_counter() - t0,
         "staleness_mean": statistics.mean(m.get("staleness_mean", 0.0) for m in rows),
         "staleness_max": max(m.get("staleness_max", 0.0) for m in rows),
         "partial_samples_frac": statistics.mean(m.get("partial_samples_frac", 0.0) for m in rows),
