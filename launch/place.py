@@ -17,11 +17,11 @@ relaunch places afresh. CPU recipes use no group; their CPU requests must fit th
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 from launch.config import RunConfig
+from launch.warm_start import warm_start
 
 RESTART = dict(max_restarts=-1, max_task_retries=-1)
 
@@ -70,30 +70,6 @@ def create_actors(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, mo
         remove_groups(groups)
         raise
     return learner, generators, scorers, assembler, placement, groups
-
-
-def warm_start(cfg: RunConfig, learner, items: list, model_path: str, log) -> dict[str, float]:
-    """The tiny recipe's supervised warm-start on gold SQL, so RL starts with some signal."""
-    import asyncio
-    import random
-
-    from launch.run import sft_pairs
-
-    steps = cfg.model.tiny_sft_steps
-    if cfg.model.source != "tiny" or steps <= 0:
-        return {}
-    pairs = sft_pairs(cfg, items, model_path)
-    rng = random.Random(cfg.seed)
-    batch = 16
-    losses = []
-    start = time.perf_counter()
-    for i in range(steps):
-        chunk = rng.sample(pairs, min(batch, len(pairs)))
-        losses.append(asyncio.run(learner.sft_step(chunk, cfg.model.tiny_sft_lr)))
-        if (i + 1) % max(1, steps // 5) == 0:
-            log.info("warm-start", step=i + 1, of=steps, loss=round(sum(losses[-20:]) / len(losses[-20:]), 4))
-    return {"sft_loss_first": losses[0], "sft_loss_last": sum(losses[-10:]) / len(losses[-10:]),
-            "time_sft": time.perf_counter() - start}
 
 
 def place_and_run(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_path: str,

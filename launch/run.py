@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from launch.config import ConfigError, RunConfig, check_inputs
+from queues.errors import one_line  # noqa: F401 - launch.run.one_line for the CLI and preflight
 from tasks.bird import BirdDataError
 from launch.export import next_steps
 from launch.logs import setup_logging
@@ -121,21 +122,6 @@ def load_prompts(cfg: RunConfig, model_path: str, bird_dir: str, log) -> tuple[l
 class RunFailed(ConfigError):
     """A user-facing failure of a run: one line for the console (cluster.py prints `error: ...`),
     the full traceback in <run_dir>/logs/launcher.jsonl."""
-
-
-def one_line(e: BaseException) -> str:
-    """The innermost cause of `e` (Ray wraps actor exceptions) as one line, password redacted."""
-    from queues.streams import redact
-
-    seen = 0
-    while seen < 8 and getattr(e, "cause", None) is not None and e.cause is not e:  # RayTaskError
-        e, seen = e.cause, seen + 1
-    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-    text = lines[0] if lines else ""
-    name = type(e).__name__
-    if name.startswith("RayTaskError(") or name == "RayTaskError":
-        name = name[len("RayTaskError("):-1] if "(" in name else name
-    return redact(f"{name}: {text}" if text else name)[:400]
 
 
 def _log_failure(run_dir: Path, e: BaseException) -> None:
@@ -286,20 +272,6 @@ def start_ray(cfg: RunConfig, run_dir: Path, log) -> None:
                      include_dashboard=dashboard_available(log), dashboard_host=cfg.cluster.dashboard_host,
                      runtime_env=runtime_env,
                      log_to_driver=False, _temp_dir=os.environ.get("ARL_RAY_TMP") or None)
-
-
-def sft_pairs(cfg: RunConfig, items: list, model_path: str) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, gold SQL ids + eos) for the tiny recipe's supervised warm-start."""
-    from transformers import AutoTokenizer
-
-    from queues.messages import unpack_ids
-
-    tok = AutoTokenizer.from_pretrained(model_path)
-    pairs = []
-    for it in items:
-        target = tok.encode(" " + it.gold_sql, add_special_tokens=False) + [tok.eos_token_id]
-        pairs.append((unpack_ids(it.prompt_tokens).tolist(), target))
-    return pairs
 
 
 def run(cfg: RunConfig) -> int:

@@ -23,6 +23,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError, TimeoutError as RedisTimeoutError, AuthenticationError
 
+from queues.errors import redact  # noqa: F401 - re-exported: queues.streams.redact
+
 STAGES = ("prompts", "rollouts", "scored", "batches", "events")
 
 T = TypeVar("T")
@@ -34,11 +36,6 @@ class RedisUnavailable(RuntimeError):
 
 def stream_key(run_id: str, stage: str) -> str:
     return f"arl:{run_id}:{stage}"
-
-
-def redact(url: str) -> str:
-    """redis://user:secret@host:6379/0 -> redis://user:***@host:6379/0"""
-    return re.sub(r"(//[^:/@]*:)[^@]*@", r"\1***@", url)
 
 
 async def connect(url: str, *, timeout_s: float = 10.0, password: str | None = None) -> aioredis.Redis:

@@ -33,6 +33,8 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field
 
+from queues.errors import one_line
+
 OK = "ok"
 ERROR = "error"
 TIMEOUT = "timeout"
@@ -107,19 +109,14 @@ def execute_readonly(db_path: str, sql: str, timeout_s: float = 30.0, max_rows: 
     except sqlite3.OperationalError as e:
         if time.monotonic() > deadline or "interrupted" in str(e):
             return ExecResult(TIMEOUT, error=f"exceeded {timeout_s:g} s", seconds=time.monotonic() - start)
-        return ExecResult(ERROR, error=_one_line(e), seconds=time.monotonic() - start)
+        return ExecResult(ERROR, error=one_line(e, 300), seconds=time.monotonic() - start)
     except (sqlite3.Error, MemoryError, OverflowError, ValueError, FileNotFoundError) as e:
-        return ExecResult(ERROR, error=_one_line(e), seconds=time.monotonic() - start)
+        return ExecResult(ERROR, error=one_line(e, 300), seconds=time.monotonic() - start)
     finally:
         if conn is not None:
             conn.set_progress_handler(None, 0)
             if own:
                 conn.close()
-
-
-def _one_line(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".replace("\n", " ")
-    return text[:300]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +152,7 @@ def _worker_main(conn, memory_mb: int, temp_store_mb: int) -> None:
         except MemoryError:
             result = ExecResult(ERROR, error="MemoryError: worker memory limit reached")
         except Exception as e:  # noqa: BLE001 - the worker must answer, whatever went wrong
-            result = ExecResult(ERROR, error=_one_line(e))
+            result = ExecResult(ERROR, error=one_line(e, 300))
         try:
             conn.send((result.status, result.rows, result.error, result.seconds))
         except MemoryError:
