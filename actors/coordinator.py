@@ -477,7 +477,13 @@ class Coordinator:
             step, task_ids = pending.pop(0)
             ahead = None
             if cfg.mode == "async" and step + 1 < cfg.steps and len(pending) < self.cfg.assembler.max_staleness:
-                ahead = lambda s=step + 1: publish_step(s)
+                async def ahead(s=step):
+                    # Up to max_staleness steps published ahead (each is trained at most that many
+                    # versions after it was published), so the engines never run out of work.
+                    nxt = s + 1 + len(pending)
+                    while len(pending) < self.cfg.assembler.max_staleness and nxt < cfg.steps:
+                        await publish_step(nxt)
+                        nxt += 1
             m = await self.run_step(step, task_ids, next_publish=ahead)
             if cfg.mode == "colocated" or not pending:
                 if step + 1 < cfg.steps:
