@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from policies.shard import split_across_ranks
 from tests.test_learner import MODEL_CFG, TEMPERATURE, make_batch, model_dir  # noqa: F401 - model_dir: a fixture
@@ -89,6 +90,25 @@ def _weights(path) -> dict:
     return load_file(str(Path(path) / "model.safetensors"))
 
 
+async def _sync_object_store(group) -> tuple[int, dict]:
+    """(buckets, name -> tensor) of one object_store sync driven as the coordinator does, in 64 KiB buckets."""
+    import ray
+
+    from actors.weight_sync import ObjectStoreBucket, SyncSummary, payload_to_tensors
+
+    await group.weight_sync_start(1, "object_store", 1 / 16)
+    got, buckets = {}, 0
+    while True:
+        message = await group.weight_sync_next()
+        if isinstance(message, SyncSummary):
+            assert message.num_buckets == buckets
+            return buckets, got
+        assert isinstance(message, ObjectStoreBucket)
+        buckets += 1
+        _, named = payload_to_tensors(ray.get(message.refs[0]))
+        got.update((n, t.clone()) for n, t in named)
+
+
 @pytest.fixture(scope="module")
 def ranks_vs_one(model_dir, tmp_path_factory):
     """Per ZeRO stage: one step (2 update epochs: 2 optimizer steps) of a 2-rank LearnerGroup over
@@ -128,6 +148,8 @@ def ranks_vs_one(model_dir, tmp_path_factory):
                 asyncio.run(group.export_hf(str(root / f"two{stage}")))
                 if stage == 1:
                     asyncio.run(group.save(str(root / "ckpt2")))
+                if stage == 3:  # a weight sync through the group: every rank exports, rank 0's buckets go out
+                    out["synced"] = asyncio.run(_sync_object_store(group))
             finally:
                 group.kill()
             out["stages"][stage] = (m1, m2, _weights(root / f"one{stage}"), _weights(root / f"two{stage}"))
@@ -189,3 +211,14 @@ def test_tiny_with_two_learner_ranks_end_to_end(tmp_path):
     for rank in (0, 1):
         ready = [json.loads(line) for line in (run_dir / "logs" / f"learner-{rank}.jsonl").read_text().splitlines()]
         assert [e["world_size"] for e in ready if e["event"] == "learner.ready"] == [2]
+
+
+def test_zero3_weight_sync_through_two_ranks_sends_rank_0s_gathered_weights(ranks_vs_one):
+    """Under ZeRO-3 each rank holds half of every parameter: the export is collective (both ranks
+    iterate it in lockstep), rank 0's buckets carry the whole, updated weights, each name once."""
+    buckets, synced = ranks_vs_one["synced"]
+    _, _, _, exported = ranks_vs_one["stages"][3]
+    assert buckets > 1
+    assert set(synced) >= set(exported) - {"lm_head.weight"}
+    for name, t in synced.items():
+        assert torch.equal(t, exported[name]), name
