@@ -75,6 +75,10 @@ class DataCursor:
 class Coordinator:
     def __init__(self, cfg: RunConfig, run_id: str, run_dir: str, redis_url: str, train_items: list, eval_items: list,
                  *, generators: list, learner: Any, assembler: Any, metrics_logger=None, log=None):
+        if cfg.coordinator.weight_sync == "auto":  # the launcher resolves it; a directly built one does here
+            from launch.placement import resolve_weight_sync
+
+            cfg.coordinator.weight_sync = resolve_weight_sync(cfg, cfg.cluster.gpus_per_node > 0)
         self.cfg, self.run_id, self.run_dir, self.redis_url = cfg, run_id, Path(run_dir), redis_url
         self.train_items, self.eval_items = train_items, eval_items
         self.generators, self.learner, self.assembler = generators, learner, assembler

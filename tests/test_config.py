@@ -101,3 +101,15 @@ def test_ray_dashboard_is_skipped_when_its_modules_are_missing(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "aiohttp_cors" else real(name, *a))
     assert run.dashboard_available() is False
+
+
+def test_a_coordinator_built_directly_resolves_weight_sync_auto():
+    """The launcher resolves coordinator.weight_sync="auto" from the placement; a Coordinator built
+    without it (tests, benches) resolves it the same way instead of treating "auto" as a broadcast."""
+    from actors.coordinator import Coordinator
+    from launch.config import RunConfig
+
+    cfg = RunConfig()
+    assert cfg.coordinator.weight_sync == "auto"
+    c = Coordinator(cfg, "r", "/tmp/arl-unused", "redis://unused", [], [], generators=[], learner=None, assembler=None)
+    assert c.cfg.coordinator.weight_sync == "object_store"
