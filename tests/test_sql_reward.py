@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from policies.sql_reward import (GENERATION_ERROR, GOLD_FAILED, MATCH, NO_SQL, SQL_ERROR, TIMEOUT, TOO_MANY_ROWS,
+from policies.sql_reward import (BAD_DB_PATH, GENERATION_ERROR, GOLD_FAILED, MATCH, NO_SQL, SQL_ERROR, TIMEOUT, TOO_MANY_ROWS,
                                  VERDICTS, WRONG_RESULT, compare_results, extract_sql, reward_for, verdict_for)
 
 
@@ -50,9 +50,10 @@ def test_compare_empty_nulls_and_floats():
 def test_rewards_per_verdict():
     assert reward_for(MATCH) == 1.0
     assert reward_for(WRONG_RESULT) == 0.1
-    for v in (SQL_ERROR, TIMEOUT, NO_SQL, TOO_MANY_ROWS, GOLD_FAILED, GENERATION_ERROR):
+    for v in (SQL_ERROR, TIMEOUT, NO_SQL, TOO_MANY_ROWS, GOLD_FAILED, GENERATION_ERROR, BAD_DB_PATH):
         assert reward_for(v) == 0.0
-    assert set(VERDICTS) == {MATCH, WRONG_RESULT, SQL_ERROR, TIMEOUT, NO_SQL, TOO_MANY_ROWS, GOLD_FAILED, GENERATION_ERROR}
+    assert set(VERDICTS) == {MATCH, WRONG_RESULT, SQL_ERROR, TIMEOUT, NO_SQL, TOO_MANY_ROWS, GOLD_FAILED, GENERATION_ERROR,
+                             BAD_DB_PATH}
     with pytest.raises(ValueError, match="unknown verdict 'great'"):
         reward_for("great")
 
