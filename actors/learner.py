@@ -186,6 +186,7 @@ class Learner(LearnerEngine):
                                 tot[prefix + "s:" + k] = tot.get(prefix + "s:" + k, 0.0) + v * w
                                 tot[prefix + "w:" + k] = tot.get(prefix + "w:" + k, 0.0) + w
                 grad_norms.append(self._optimizer_step())
+        lr = float(self.scheduler.get_last_lr()[0])  # the rate this step used (read before stepping it)
         self.scheduler.step()
         self.step += 1
         elapsed = time.perf_counter() - t0
@@ -194,7 +195,7 @@ class Learner(LearnerEngine):
         metrics.update(
             grad_norm=float(sum(grad_norms) / len(grad_norms)),
             grad_norm_max=float(max(grad_norms)),
-            lr=float(self.scheduler.get_last_lr()[0]),
+            lr=lr,
             optimizer_steps=float(len(grad_norms)),
             micro_batches=float(len(items)),
             num_loss_tokens=float(sum(it["packed"].num_loss_tokens for it in items)),

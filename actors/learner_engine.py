@@ -275,7 +275,15 @@ class LearnerEngine:
         return {n: t for bucket in self.export_weights(bucket_mb=1 << 20) for n, t in bucket}
 
     def save(self, path: str) -> str:
-        """DeepSpeed checkpoint (model, optimizer) plus scheduler and step. Returns the directory."""
+        """DeepSpeed checkpoint (model, optimizer) plus scheduler and step. Returns the directory.
+        Asleep (the coordinator checkpoints after learner.sleep()), the offloaded optimizer state is
+        brought back for the save and offloaded again after: the checkpoint holds the real state."""
+        if self.asleep:
+            self.wake()
+            try:
+                return self.save(path)
+            finally:
+                self.sleep()
         os.makedirs(path, exist_ok=True)
         # Collective: each rank writes its own shard (ZeRO 1-3: its optimizer partition).
         self.engine.save_checkpoint(path, tag="learner", client_state={

@@ -411,3 +411,25 @@ def test_checkpoint_layers_keeps_activations_of_the_other_layers_and_trains_iden
         assert_params_close(runs[(False, -1)][2], runs[key][2], atol=0.0)
     with pytest.raises(ValueError, match="checkpoint_layers=3: the model has 2 decoder layers"):
         make_learner(model_dir, gradient_checkpointing=True, checkpoint_layers=3)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_checkpoint_written_while_asleep_resumes_exactly_and_lr_is_the_step_s_own(model_dir, tmp_path, zero_stage):
+    """The coordinator checkpoints after learner.sleep(), with the optimizer offloaded: the checkpoint
+    must hold the real optimizer state (resume == uninterrupted). The logged lr is the rate the step
+    used (warm-up: half of lr at step 0), not the next step's."""
+    b1, b2 = make_batch(seed=4, step=0), make_batch(seed=5, step=1)
+    kw = dict(warmup_ratio=0.5, total_steps=4, zero_stage=zero_stage, offload_optimizer=True)
+    run = make_learner(model_dir, **kw)
+    m1 = run.train_step(b1)
+    assert m1["lr"] == pytest.approx(0.5e-2)  # lr_lambda(step 0) = 1/2 of 1e-2 during the 2 warm-up steps
+    run.sleep()
+    run.save(str(tmp_path / "ckpt"))
+    assert run.asleep  # saving does not change the learner's phase
+    m_through = run.train_step(b2)
+    assert m_through["lr"] == pytest.approx(1e-2)
+    resumed = make_learner(model_dir, **kw)
+    assert resumed.load(str(tmp_path / "ckpt")) == 1
+    m_resumed = resumed.train_step(b2)
+    assert m_resumed["grad_norm"] == pytest.approx(m_through["grad_norm"], rel=1e-6)
+    assert_params_close(params(run), params(resumed), atol=1e-6)
