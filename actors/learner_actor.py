@@ -100,6 +100,8 @@ class LearnerShell:
         while time.monotonic() < deadline:
             if not entries:
                 entries = await self.batches.consume("learner-0", count=4, block_ms=500)
+            if not entries:  # delivered to us but the reply was lost (a reconnect): it sits in our pending list
+                entries = await self.batches.pending_mine("learner-0")
             for msg_id, data in entries:
                 batch = codec(TrainBatch).decode(data)
                 if batch.step in self.trained_steps or batch.step < step:
@@ -109,7 +111,8 @@ class LearnerShell:
                     continue  # a later step's batch: leave it pending for its turn
                 return msg_id, batch, data
             entries = []
-        raise TimeoutError(f"learner: no TrainBatch for step {step} within {timeout_s:.0f}s")
+        raise TimeoutError(f"learner: no TrainBatch for step {step} on stream {self.batches.key} (group learner) "
+                           f"within {timeout_s:.0f}s")
 
     async def _finish(self, msg_id: str, batch: TrainBatch, metrics: dict) -> dict:
         self.trained_steps.add(batch.step)

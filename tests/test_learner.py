@@ -433,3 +433,36 @@ def test_checkpoint_written_while_asleep_resumes_exactly_and_lr_is_the_step_s_ow
     m_resumed = resumed.train_step(b2)
     assert m_resumed["grad_norm"] == pytest.approx(m_through["grad_norm"], rel=1e-6)
     assert_params_close(params(run), params(resumed), atol=1e-6)
+
+
+async def test_a_batch_delivered_while_waiting_but_never_seen_is_found_in_pending(redis_url):
+    """A reply lost on a reconnect leaves the step's batch delivered to learner-0 (pending) but never
+    returned to it: the shell re-reads its pending list while it waits (it read it only at call start,
+    then waited out the 600 s timeout). A missing batch times out naming the step and the stream."""
+    import asyncio
+
+    from actors.learner_actor import LearnerShell
+    from queues.messages import codec
+    from queues.streams import Stream, connect
+
+    shell = LearnerShell.__new__(LearnerShell)  # the stream side only: no model is built
+    shell.trained_steps = set()
+    await shell.connect(redis_url, "lost")
+    real_consume, lost = shell.batches.consume, []
+
+    async def consume_losing_the_first_reply(*args, **kwargs):
+        got = await real_consume(*args, **kwargs)
+        if got and not lost:  # Redis delivered it to learner-0; the reply never reached the shell
+            lost.extend(got)
+            return []
+        return got
+
+    shell.batches.consume = consume_losing_the_first_reply
+    waiting = asyncio.create_task(shell._take(0, timeout_s=20.0))
+    await asyncio.sleep(0.3)  # the shell is waiting on the stream now
+    other = Stream(await connect(redis_url), "lost", "batches", group="learner")
+    await other.publish(codec(TrainBatch).encode(make_batch(step=0)))
+    msg_id, batch, _ = await asyncio.wait_for(waiting, 15.0)
+    assert len(lost) == 1 and msg_id == lost[0][0] and batch.step == 0
+    with pytest.raises(TimeoutError, match=r"step 1 on stream arl:lost:batches"):
+        await shell._take(1, timeout_s=1.0)
