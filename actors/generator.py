@@ -32,14 +32,10 @@ import time
 from typing import Any, Iterable
 
 from actors.engines.base import Engine, EngineAsleep, TaskError
+from queues.errors import one_line
 from queues.messages import Event, PromptTask, RolloutGroup, codec
 
 log = logging.getLogger(__name__)
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
 class Generator:
@@ -152,7 +148,7 @@ class Generator:
                 try:
                     await prompts.redis.xclaim(prompts.key, prompts.group, self.generator_id, 0, ids, justid=True)
                 except Exception as e:  # best effort: a missed heartbeat only risks duplicate work
-                    log.warning("generator %s: heartbeat failed: %s", self.generator_id, _one_line(e))
+                    log.warning("generator %s: heartbeat failed: %s", self.generator_id, one_line(e))
 
     async def _serve(self, eid: str, data: bytes, prompts, rollouts) -> None:
         try:
@@ -170,7 +166,7 @@ class Generator:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # Redis gone past its retry budget: leave the task pending for reclaim
-            log.error("generator %s: could not publish/ack %s: %s", self.generator_id, eid, _one_line(e))
+            log.error("generator %s: could not publish/ack %s: %s", self.generator_id, eid, one_line(e))
         finally:
             self._inflight.pop(eid, None)
             self._notify()
@@ -185,7 +181,7 @@ class Generator:
                 task = codec(PromptTask).decode(data)
             except Exception as e:
                 task = PromptTask(task_id="", prompt_id="", step=-1, policy_version=-1, prompt_tokens=b"", n=0)
-                return self._error_group(task, f"cannot decode PromptTask: {_one_line(e)}", queued_at)
+                return self._error_group(task, f"cannot decode PromptTask: {one_line(e)}", queued_at)
         if self._first_start is None:
             self._first_start = queued_at
         try:
@@ -195,7 +191,7 @@ class Generator:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            return self._error_group(task, f"task {task.task_id}: generation failed: {_one_line(e)}", queued_at)
+            return self._error_group(task, f"task {task.task_id}: generation failed: {one_line(e)}", queued_at)
         group.generator_id = self.generator_id
         group.queued_at = queued_at
         if all(s.finish_reason == "abort" for s in group.samples) and group.samples:

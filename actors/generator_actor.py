@@ -16,7 +16,8 @@ from typing import Any
 
 import ray
 
-from actors.generator import Generator, _one_line
+from actors.generator import Generator
+from queues.errors import one_line
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ class GeneratorActor:
             try:
                 old.close()
             except Exception as e:  # noqa: BLE001 - a broken group; the new one replaces it anyway
-                log.warning("closing the previous weight-sync group failed: %s", _one_line(e))
+                log.warning("closing the previous weight-sync group failed: %s", one_line(e))
         if self.gen.engine.loads_in_workers:
             await self.gen.engine.join_weight_group(rendezvous, rank)
             self._broadcast, self._broadcast_rdv = "engine", rendezvous

@@ -25,6 +25,7 @@ import structlog
 import torch
 
 from actors import attention
+from actors.dtypes import torch_dtype
 from actors.logprob_head import LogProbHead, apply_liger_kernels, limit_checkpointed_layers, restore_rotary_buffers
 from actors.optimizer_offload import OptimizerStateOffload, offload_optimizer, reload_optimizer
 from launch.config import LearnerConfig, ModelConfig
@@ -33,7 +34,6 @@ from policies.packing import PackedBatch
 log = structlog.get_logger("arctic_rl.learner")
 
 WORLD_FILE = "learner_world.json"  # beside the DeepSpeed checkpoint: the world size that wrote it
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def ensure_process_group(device: torch.device) -> None:
@@ -105,7 +105,7 @@ class LearnerEngine:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(self.device)
-        self.dtype = _DTYPES[learner_cfg.dtype]
+        self.dtype = torch_dtype(learner_cfg.dtype)
         self.attn_implementation = attention.select_attn_implementation(model_cfg.attn_implementation, self.device)
         if self.attn_implementation == attention.VARLEN:
             attention.register()

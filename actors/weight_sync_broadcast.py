@@ -18,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import socket
 import threading
@@ -135,21 +136,13 @@ class _Broadcaster:
         options = dist.BroadcastOptions()
         options.rootRank = 0
         device = torch.device(self.device) if self.device is not None else torch.device("cpu")
-        context = torch.cuda.device(device) if device.type == "cuda" else _nullcontext()
+        context = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with context:  # this may run on a worker thread, whose current CUDA device is 0
             for dname, nbytes in plan.buffer_nbytes.items():  # the plan's order, identical on every rank
                 if nbytes:  # gloo never completes a zero-byte broadcast
                     self._group.broadcast([buffers[dname]], options).wait()
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 class BroadcastSender(SenderBase, _Broadcaster):

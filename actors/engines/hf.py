@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from actors.dtypes import torch_dtype
 from actors.engines.base import (
     Engine, EngineAsleep, SamplingSettings, TaskError, prompt_ids, resolve_sampling,
 )
@@ -51,7 +52,6 @@ from actors.engines.hf_decode import prefill, sample_tokens  # noqa: F401 - samp
 from actors.engines.hf_weights import WeightsMixin
 from queues.messages import PromptTask, RolloutGroup, Sample, pack_floats, pack_ids
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -89,7 +89,7 @@ class TransformersEngine(WeightsMixin, Engine):
 
         self.cfg = generator_cfg
         self.device = resolve_device(getattr(generator_cfg, "device", "auto"))
-        self.dtype = _DTYPES[model_cfg.dtype]
+        self.dtype = torch_dtype(model_cfg.dtype)
         trust = bool(getattr(model_cfg, "trust_remote_code", False))
         local_only = not bool(getattr(model_cfg, "allow_download", False))
         self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer or model_path, trust_remote_code=trust,
