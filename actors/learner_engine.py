@@ -129,8 +129,8 @@ class LearnerEngine:
 
         # ZeRO-3: transformers builds the model under zero.Init (partitioned while loading) as long
         # as this object is alive.
-        # ZeRO-3 without accelerate (not installed here): each rank loads the full model and
-        # deepspeed.initialize partitions it; fine for small models, not for 32B on one host.
+        # accelerate (a dependency) is what HfDeepSpeedConfig needs; without it each rank would load the
+        # full model and deepspeed.initialize partition it: fine for small models, not for 32B on one host.
         self._hf_ds_config = None
         if learner_cfg.zero_stage == 3:
             try:
