@@ -38,6 +38,9 @@ from queues.messages import Event, PromptTask, RolloutGroup, codec
 log = logging.getLogger(__name__)
 
 
+ABORT_GRACE_S = 30.0  # after a pause timed out and aborted its requests, how long their groups may take
+
+
 class Generator:
     def __init__(self, engine: Engine, generator_cfg: Any, *, reclaim_idle_s: float = 30.0,
                  stream_high_water: int = 4096, consume_block_ms: int = 200):
@@ -55,7 +58,7 @@ class Generator:
         self._events = None
         self._loop_bound: asyncio.AbstractEventLoop | None = None
         self._interrupted = False  # the engine holds requests parked by pause(interrupt=True)
-        self._m = {"interrupts": 0, "interrupted_requests": 0, "partial_samples": 0, "groups_published": 0, "error_groups": 0, "tasks_reclaimed": 0, "tokens": 0,
+        self._m = {"pause_timeouts": 0, "interrupts": 0, "interrupted_requests": 0, "partial_samples": 0, "groups_published": 0, "error_groups": 0, "tasks_reclaimed": 0, "tokens": 0,
                    "queue_wait_s": 0.0, "publish_latency_s": 0.0, "gen_s": 0.0}
         self._first_start: float | None = None
         self._last_finish: float | None = None
@@ -74,12 +77,24 @@ class Generator:
     def _notify(self) -> None:
         self._changed.set()
 
-    async def _wait_until(self, cond) -> None:
+    async def _wait_until(self, cond, timeout_s: float | None = None) -> bool:
+        """Waits for `cond`; False if `timeout_s` passed first (None: no bound)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not cond():
             self._changed.clear()
             if cond():
-                return
-            await self._changed.wait()
+                return True
+            if deadline is None:
+                await self._changed.wait()
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                return cond()
+        return True
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -235,7 +250,20 @@ class Generator:
             self._interrupted = True
             return parked
         self._continue_parked()
-        await self._wait_until(lambda: not self._pulling and not self._inflight)
+        drained = lambda: not self._pulling and not self._inflight  # noqa: E731
+        timeout = float(getattr(self.cfg, "pause_timeout_s", 0.0) or 0.0) or None
+        if not await self._wait_until(drained, timeout):
+            # A hung request must not hang the run: abort what is in flight; each group comes back
+            # aborted and is published as a failed group (error set), so its prompt is accounted for.
+            stuck = len(self._inflight)
+            log.warning("generator %s: pause waited %.0f s for %d request(s); aborting them", self.generator_id,
+                        timeout, stuck)
+            self._m["pause_timeouts"] += 1
+            self.engine.abort()
+            if not await self._wait_until(drained, ABORT_GRACE_S):
+                raise TimeoutError(f"generator {self.generator_id}: {len(self._inflight)} request(s) still in flight "
+                                   f"{timeout + ABORT_GRACE_S:.0f} s after pause (generator.pause_timeout_s="
+                                   f"{timeout:g}); the engine did not abort them")
         return 0
 
     def _continue_parked(self) -> None:
@@ -294,6 +322,7 @@ class Generator:
             "generator_paused": float(self._paused),
             "generator_tokens": float(m["tokens"]),
             "generator_interrupts": float(m["interrupts"]),
+            "generator_pause_timeouts": float(m["pause_timeouts"]),
             "generator_interrupted_requests": float(m["interrupted_requests"]),
             "generator_partial_samples": float(m["partial_samples"]),
             "generator_tokens_per_s": m["tokens"] / span if span > 0 else 0.0,

@@ -88,6 +88,8 @@ class GeneratorConfig(_Section):
     # continue them from their tokens (a sample's tokens may span versions). false: the boundary waits
     # for every in-flight request, as colocated mode always does.
     partial_rollouts: bool = True
+    pause_timeout_s: float = 600.0  # a pause (sleep, weight update) waits at most this long for in-flight
+    # requests, then aborts them: they are published as failed groups, never hang the run
     engine_kwargs: dict[str, Any] = {}  # passed to the engine as a plain (deep-converted) dict
     num_cpus: float = 1.0  # Ray CPU request per generator actor
 
@@ -355,6 +357,7 @@ def check(cfg: RunConfig) -> None:
     need(cfg.scorer.workers >= 1, "scorer.workers", "must be >= 1")
     need(cfg.cluster.max_relaunches >= 0, "cluster.max_relaunches", "must be >= 0")
     need(cfg.scorer.timeout_s > 0, "scorer.timeout_s", "must be > 0")
+    need(cfg.generator.pause_timeout_s > 0, "generator.pause_timeout_s", "must be > 0")
     if cfg.learner.correction in ("mis", "mis_seq"):
         need(cfg.learner.correction_cap > 1, "learner.correction_cap", "must be > 1 for masked correction "
              "(tokens with ratios in [1/cap, cap] are kept)")

@@ -233,3 +233,25 @@ def test_device_ids_become_cuda_visible_devices_and_bad_ones_are_named():
             set_visible_devices(bad, None, {})
     with pytest.raises(ValueError, match="has 1 GPU\\(s\\), generator.tensor_parallel_size is 2"):
         set_visible_devices([0], SimpleNamespace(tensor_parallel_size=2), {})
+
+
+async def test_a_pause_that_outlasts_its_timeout_aborts_and_publishes_failed_groups(redis_url, engine):
+    """A request that would run far longer than generator.pause_timeout_s must not hang the step: the
+    pause aborts it after the timeout and its group is published as failed (error set)."""
+    import msgspec
+
+    cfg = msgspec.structs.replace(GEN_CFG, max_tokens=100_000, pause_timeout_s=0.5)
+    prompts, rollouts = await streams(redis_url)
+    gen = Generator(engine, cfg)
+    await prompts.publish(codec(PromptTask).encode(task(engine, 0, max_tokens=100_000)))
+    runner = asyncio.create_task(gen.run(redis_url, RUN, "gen0"))
+    while gen.stats()["generator_inflight_prompts"] == 0:
+        await asyncio.sleep(0.005)
+    t0 = time.monotonic()
+    await asyncio.wait_for(gen.pause(), 20)
+    assert 0.4 < time.monotonic() - t0 < 15
+    [(_, group)] = await collect(rollouts, 1)
+    assert group.error and "aborted" in group.error
+    assert gen.stats()["generator_pause_timeouts"] == 1
+    gen.resume()
+    await stop(gen, runner)
