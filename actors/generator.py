@@ -27,15 +27,16 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from typing import Any, Iterable
+
+import structlog
 
 from actors.engines.base import Engine, EngineAsleep, TaskError
 from queues.errors import one_line
 from queues.messages import Event, PromptTask, RolloutGroup, codec
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger("arctic_rl.generator")  # %-style calls format as in logging
 
 
 ABORT_GRACE_S = 30.0  # after a pause timed out and aborted its requests, how long their groups may take

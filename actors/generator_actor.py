@@ -1,4 +1,5 @@
-"""GeneratorActor: the thin Ray shell (an async actor) over one actors.generator.Generator.
+"""GeneratorShell: the thin Ray shell (an async actor; `GeneratorActor` is its Ray class) over one
+actors.generator.Generator.
 
 Invariants:
 - It takes the node-local GPU ids of its engine's bundles (`device_ids`, from the placement) and
@@ -11,21 +12,20 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any
 
-import ray
+import structlog
 
 from actors.generator import Generator
 from queues.errors import one_line
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger("arctic_rl.generator")
 
 
-
-@ray.remote(max_concurrency=256)
-class GeneratorActor:
+class GeneratorShell:
     """Async Ray actor over one Generator; run() loops while control calls are served."""
+
+    RAY_OPTIONS = {"max_concurrency": 256}  # control calls (sleep, sync, ...) beside the run() loop
 
     def __init__(self, generator_cfg: Any, model_cfg: Any, model_path: str, *, reclaim_idle_s: float = 30.0,
                  stream_high_water: int = 4096, colocated: bool = False, device_ids: list[int] | None = None):
@@ -36,6 +36,8 @@ class GeneratorActor:
 
         # Restarted by Ray after a crash: the engine holds the initial weights, not the run's
         # current ones. Serve nothing until the coordinator has synced us (see health()).
+        import ray
+
         self.reconstructed = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         if self.reconstructed and colocated:
             # The learner may be training on our GPU right now: build the engine only when the
@@ -57,7 +59,20 @@ class GeneratorActor:
         self.needs_weights = False
         self._weights_ready.set()
 
+    def __repr__(self) -> str:  # the Ray dashboard's Repr column: live state
+        gen = getattr(self, "gen", None)  # Ray may ask before __init__ ends
+        if gen is None:
+            return "GeneratorShell(starting)"
+        st = gen.stats()
+        return (f"GeneratorShell({gen.generator_id or '?'}: version {gen.engine.version}, "
+                f"{int(st['generator_inflight_prompts'])} in flight, {int(st['generator_groups_published'])} groups "
+                f"published{', paused' if st['generator_paused'] else ''})")
+
     async def run(self, redis_url: str, run_id: str, generator_id: str) -> None:
+        from launch.logs import setup_actor_logging
+
+        setup_actor_logging(generator_id)
+        log.info("generator.started", generator_id=generator_id, pid=__import__("os").getpid())
         await self._weights_ready.wait()  # a restarted generator waits for the current weights
         from launch.ray_metrics import export_periodically
 
@@ -163,3 +178,11 @@ class GeneratorActor:
             await self.gen.finish_weight_update(version)
             self._weights_loaded()
         return version
+
+
+def __getattr__(name: str):
+    if name == "GeneratorActor":  # Ray's actor class, made on first use (importing this module imports no Ray)
+        from actors.shell import ray_actor
+
+        return ray_actor(GeneratorShell)
+    raise AttributeError(name)

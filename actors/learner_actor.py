@@ -68,6 +68,13 @@ class LearnerShell:
         self.sender = None
         self._taken = None  # (msg_id, batch) read from the stream, trained, not yet acked
 
+    def __repr__(self) -> str:  # the Ray dashboard's Repr column: live state
+        learner = getattr(self, "learner", None)  # Ray may ask before __init__ ends
+        if learner is None:
+            return f"LearnerShell(rank {getattr(self, 'rank', '?')}: starting)"
+        return (f"LearnerShell(rank {self.rank}/{self.world_size}: step {learner.step}, "
+                f"{'asleep' if learner.asleep else 'awake'}, {len(getattr(self, 'trained_steps', ()))} steps trained)")
+
     def listen(self) -> tuple[str, int]:
         """Rank 0 of a world > 1: binds the world's store; returns where the others connect."""
         from actors.learner_group import bind_store
@@ -258,11 +265,8 @@ class LearnerShell:
 
 
 def __getattr__(name: str):
-    # Built on first use so importing this module never imports or starts Ray.
-    if name == "LearnerActor":
-        import ray
+    if name == "LearnerActor":  # Ray's actor class, made on first use (importing this module imports no Ray)
+        from actors.shell import ray_actor
 
-        actor = ray.remote(LearnerShell)
-        globals()["LearnerActor"] = actor
-        return actor
+        return ray_actor(LearnerShell)
     raise AttributeError(name)

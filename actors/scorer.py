@@ -177,52 +177,52 @@ class ScorerLoop:
             await redis.aclose()
 
 
-try:
-    import ray
-except ImportError:  # the plain Scorer works without Ray
-    ray = None
+class ScorerShell:
+    """The scorer actor (actors.shell.ray_actor): Scorer + ScorerLoop; `ScorerActor` is its Ray class."""
 
-if ray is not None:
+    def __init__(self, cfg: dict, scorer_id: str = "", reclaim_idle_s: float = 30.0):
+        from launch.logs import setup_actor_logging
 
-    @ray.remote
-    class ScorerActor:
-        """Ray shell around Scorer + ScorerLoop; create with .options(num_cpus=cfg.num_cpus)."""
+        setup_actor_logging(scorer_id or "scorer")
+        scorer_cfg = msgspec.convert(cfg, ScorerConfig) if isinstance(cfg, dict) else cfg
+        self.scorer = Scorer(scorer_cfg, scorer_id, db_root=os.environ.get("ARL_DB_ROOT", ""))
+        self.loop = ScorerLoop(self.scorer, consumer=self.scorer.scorer_id, reclaim_idle_s=reclaim_idle_s)
+        log.info("scorer.started", scorer_id=self.scorer.scorer_id, workers=scorer_cfg.workers,
+                 timeout_s=scorer_cfg.timeout_s, pid=os.getpid())
 
-        def __init__(self, cfg: dict, scorer_id: str = "", reclaim_idle_s: float = 30.0):
-            from launch.logs import setup_actor_logging
+    def __repr__(self) -> str:  # the Ray dashboard's Repr column: live state
+        s, loop = getattr(self, "scorer", None), getattr(self, "loop", None)  # Ray may ask before __init__ ends
+        if s is None or loop is None:
+            return "ScorerShell(starting)"
+        return (f"ScorerShell({s.scorer_id}: {s.groups} groups, {s.samples} samples scored, "
+                f"{len(loop.inflight)} in flight)")
 
-            setup_actor_logging(scorer_id or "scorer")
-            scorer_cfg = msgspec.convert(cfg, ScorerConfig) if isinstance(cfg, dict) else cfg
-            self.scorer = Scorer(scorer_cfg, scorer_id, db_root=os.environ.get("ARL_DB_ROOT", ""))
-            self.loop = ScorerLoop(self.scorer, consumer=self.scorer.scorer_id, reclaim_idle_s=reclaim_idle_s)
-            log.info("scorer.started", scorer_id=self.scorer.scorer_id, workers=scorer_cfg.workers,
-                     timeout_s=scorer_cfg.timeout_s, pid=os.getpid())
+    async def run(self, redis_url: str, run_id: str, high_water: int = 4096) -> None:
+        from launch.ray_metrics import export_periodically
 
-        def __repr__(self) -> str:  # the Ray dashboard's Repr column: live state
-            s, loop = getattr(self, "scorer", None), getattr(self, "loop", None)  # Ray may ask before __init__ ends
-            if s is None or loop is None:
-                return "ScorerActor(starting)"
-            return (f"ScorerActor({s.scorer_id}: {s.groups} groups, {s.samples} samples scored, "
-                    f"{len(loop.inflight)} in flight)")
+        exporter = asyncio.create_task(export_periodically(self.scorer.scorer_id or "scorer", self.scorer.stats))
+        try:
+            await self.loop.run(redis_url, run_id, high_water)
+        finally:
+            exporter.cancel()
 
-        async def run(self, redis_url: str, run_id: str, high_water: int = 4096) -> None:
-            from launch.ray_metrics import export_periodically
+    async def stop(self) -> None:
+        self.loop.stop()
 
-            exporter = asyncio.create_task(export_periodically(self.scorer.scorer_id or "scorer", self.scorer.stats))
-            try:
-                await self.loop.run(redis_url, run_id, high_water)
-            finally:
-                exporter.cancel()
+    async def pid(self) -> int:
+        return os.getpid()
 
-        async def stop(self) -> None:
-            self.loop.stop()
+    async def stats(self) -> dict[str, float]:
+        return dict(self.scorer.stats(), undecodable=float(self.loop.undecodable))
 
-        async def pid(self) -> int:
-            return os.getpid()
+    async def close(self) -> None:
+        self.loop.stop()
+        self.scorer.close()
 
-        async def stats(self) -> dict[str, float]:
-            return dict(self.scorer.stats(), undecodable=float(self.loop.undecodable))
 
-        async def close(self) -> None:
-            self.loop.stop()
-            self.scorer.close()
+def __getattr__(name: str):
+    if name == "ScorerActor":  # Ray's actor class, made on first use (importing this module imports no Ray)
+        from actors.shell import ray_actor
+
+        return ray_actor(ScorerShell)
+    raise AttributeError(name)

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TITLES = {"generator": "ray::GeneratorActor", "scorer": "ray::ScorerActor", "assembler": "ray::Assembler",
+TITLES = {"generator": "ray::GeneratorShell", "scorer": "ray::ScorerShell", "assembler": "ray::Assembler",
           "learner": "ray::LearnerShell", "coordinator": "ray::Coordinator", "redis": "redis-server"}
 OUTCOMES = ("trained", "filtered", "stale", "gold_failed", "failed")
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from actors.shell import ray_actor
 from launch.config import RunConfig
 from launch.warm_start import warm_start
 
@@ -62,7 +63,7 @@ def create_actors(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, mo
             for slot in placement.by_role("generator")]
         scorers = [ScorerActor.options(name=f"{names}:{slot.name}", **actor_options(slot, groups), **RESTART).remote(
             cfg.scorer, slot.name, reclaim_idle_s=idle) for slot in placement.by_role("scorer")]
-        assembler = ray.remote(Assembler).options(name=f"{names}:assembler",
+        assembler = ray_actor(Assembler).options(name=f"{names}:assembler",
                                                   **actor_options(placement.actor("assembler"), groups),
                                                   max_concurrency=64, **RESTART).remote(
             cfg.assembler, consumer="assembler-0", reclaim_idle_s=idle, redis_url=redis_url, run_id=run_id, high_water=hw)
@@ -101,7 +102,7 @@ def _drive(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_pat
     ray.get(assembler.start.remote(redis_url, run_id, hw))
     asyncio.run(learner.connect(redis_url, run_id))
 
-    coordinator = ray.remote(Coordinator).options(name=f"{names}:coordinator", max_concurrency=8,
+    coordinator = ray_actor(Coordinator).options(name=f"{names}:coordinator", max_concurrency=8,
                                                   **actor_options(placement.actor("coordinator"), groups)).remote(
         cfg, run_id, str(run_dir), redis_url, train_items, eval_items, generators=generators, learner=learner,
         assembler=assembler, metrics_logger=None)

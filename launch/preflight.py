@@ -166,7 +166,9 @@ def run_probes(cfg: RunConfig, redis_url: str, simulate: bool, placement_timeout
         node_ids = place.group_nodes(groups) if groups else []
         bundle_gpus = place.bundle_gpu_ids(placement, groups, timeout_s) if groups else {}
         timings = {"placement groups": time.perf_counter() - t0}
-        actor_cls = ray.remote(Probe)
+        from actors.shell import ray_actor
+
+        actor_cls = ray_actor(Probe)
         for a in placement.actors:
             probes[a.name] = actor_cls.options(**place.actor_options(a, groups)).remote(a.name)
         names_ = [a.name for a in placement.actors]

@@ -38,8 +38,8 @@ def test_tiny_run_accounts_for_every_prompt(fixed_pool_run):
     assert (run_dir / "checkpoints" / "latest").exists()
     # Every actor writes its structlog JSON under logs/ (the launcher sets ARL_RUN_DIR for them).
     events = {name: [json.loads(line)["event"] for line in (run_dir / "logs" / f"{name}.jsonl").read_text().splitlines()]
-              for name in ("scorer-0", "assembler-0", "coordinator")}
-    assert "scorer.started" in events["scorer-0"]
+              for name in ("scorer-0", "assembler-0", "coordinator", "generator-0")}
+    assert "scorer.started" in events["scorer-0"] and "generator.started" in events["generator-0"]
     assert events["assembler-0"].count("assembler.step") == len(steps)
 
 

@@ -255,9 +255,10 @@ def test_the_merged_ipc_message_crosses_msgpack_as_pickled_bytes():
 
 def _generator_shell_over(engine: VLLMEngine):
     """The real GeneratorActor class body (not started through Ray) over a fake-vLLM engine."""
-    from actors.generator import Generator, GeneratorActor
+    from actors.generator import Generator
+    from actors.generator_actor import GeneratorShell
 
-    shell = object.__new__(GeneratorActor.__ray_metadata__.modified_class)
+    shell = object.__new__(GeneratorShell)
     shell.gen = Generator(engine, type("Cfg", (), {"max_inflight_prompts": 4})())
     shell.needs_weights, shell._weights_ready = True, asyncio.Event()
     shell._broadcast = shell._broadcast_rdv = None
