@@ -131,7 +131,7 @@ class Assembler:
                  redis_url: str = "", run_id: str = "", high_water: int = 4096):
         self.cfg = cfg
         if redis_url:  # the actor (the plain class in tests is built without one)
-            from launch.logs import setup_actor_logging
+            from observe.logs import setup_actor_logging
 
             setup_actor_logging(consumer)
         # Given here (not only to start()) so that an instance Ray restarts after a crash can

@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 
 from launch.config import RunConfig
-from launch.ray_metrics import export as export_ray_metrics
+from observe.ray_metrics import export as export_ray_metrics
 from queues.messages import Event, PromptTask, codec
 
 EVAL_PREFIX = "eval:"
@@ -439,8 +439,8 @@ class Coordinator:
 
     def attach_metrics(self, run_dir: str, console: bool, wandb_cfg: dict) -> None:
         """Inside the actor: its own JSON log and the run's metrics.jsonl."""
-        from launch.logs import setup_logging
-        from launch.metrics import MetricsLogger
+        from observe.logs import setup_logging
+        from observe.metrics import MetricsLogger
 
         self.log = setup_logging(run_dir, "coordinator", console=False)
         self.metrics_logger = MetricsLogger(run_dir, console=console, wandb_cfg=wandb_cfg,

@@ -69,12 +69,12 @@ class GeneratorShell:
                 f"published{', paused' if st['generator_paused'] else ''})")
 
     async def run(self, redis_url: str, run_id: str, generator_id: str) -> None:
-        from launch.logs import setup_actor_logging
+        from observe.logs import setup_actor_logging
 
         setup_actor_logging(generator_id)
         log.info("generator.started", generator_id=generator_id, pid=__import__("os").getpid())
         await self._weights_ready.wait()  # a restarted generator waits for the current weights
-        from launch.ray_metrics import export_periodically
+        from observe.ray_metrics import export_periodically
 
         exporter = asyncio.create_task(export_periodically(generator_id, self.gen.stats))
         try:

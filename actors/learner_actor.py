@@ -54,7 +54,7 @@ class LearnerShell:
                  temperature: float = 1.0, run_dir: str = "", rank: int = 0, world_size: int = 1):
         import torch
 
-        from launch.logs import setup_logging
+        from observe.logs import setup_logging
 
         torch.set_num_threads(max(1, int(learner_cfg.num_cpus)))
         if run_dir:

@@ -181,7 +181,7 @@ class ScorerShell:
     """The scorer actor (actors.shell.ray_actor): Scorer + ScorerLoop; `ScorerActor` is its Ray class."""
 
     def __init__(self, cfg: dict, scorer_id: str = "", reclaim_idle_s: float = 30.0):
-        from launch.logs import setup_actor_logging
+        from observe.logs import setup_actor_logging
 
         setup_actor_logging(scorer_id or "scorer")
         scorer_cfg = msgspec.convert(cfg, ScorerConfig) if isinstance(cfg, dict) else cfg
@@ -198,7 +198,7 @@ class ScorerShell:
                 f"{len(loop.inflight)} in flight)")
 
     async def run(self, redis_url: str, run_id: str, high_water: int = 4096) -> None:
-        from launch.ray_metrics import export_periodically
+        from observe.ray_metrics import export_periodically
 
         exporter = asyncio.create_task(export_periodically(self.scorer.scorer_id or "scorer", self.scorer.stats))
         try:

@@ -21,7 +21,7 @@ from launch.config import ConfigError, RunConfig, check_inputs
 from queues.errors import one_line  # noqa: F401 - launch.run.one_line for the CLI and preflight
 from tasks.bird import BirdDataError
 from launch.export import next_steps
-from launch.logs import setup_logging
+from observe.logs import setup_logging
 
 # Variables every actor gets, whether we started Ray or joined a cluster.
 FORWARDED_PREFIXES = ("WANDB_", "HF_", "HUGGING_FACE_", "TRANSFORMERS_", "ARL_", "VLLM_", "NCCL_", "TORCH_",

@@ -39,7 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 from ray import serve
 
-from launch.logs import setup_actor_logging
+from observe.logs import setup_actor_logging
 
 APP_NAME = "arl-sql"
 MAX_BODY_BYTES = 64 * 1024

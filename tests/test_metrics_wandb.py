@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.metrics import MetricError, MetricsLogger
+from observe.metrics import MetricError, MetricsLogger
 
 
 def _history(wandb_file: Path, key: str) -> list[float]:

@@ -2,7 +2,7 @@ import tempfile
 
 import ray
 
-from launch import ray_metrics
+from observe import ray_metrics
 
 
 def test_export_is_a_noop_without_ray():
