@@ -31,6 +31,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from observe.logs import quiet_cpu_host
+
+    quiet_cpu_host()
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = apply_overrides(get_recipe(args.recipe), args.overrides)

@@ -252,6 +252,9 @@ def evaluate_model(args, questions) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from observe.logs import quiet_cpu_host
+
+    quiet_cpu_host()
     p = argparse.ArgumentParser(prog="python -m launch.eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--bird-dir", required=True)
     p.add_argument("--split", default="dev")

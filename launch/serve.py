@@ -313,6 +313,9 @@ def start(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, replica
 
 
 def main(argv: list[str] | None = None) -> int:
+    from observe.logs import quiet_cpu_host
+
+    quiet_cpu_host()
     p = argparse.ArgumentParser(prog="python -m launch.serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a Hugging Face export, e.g. runs/<run>/hf/step_<N>")
     p.add_argument("--bird-dir", required=True, help="holds <split>_databases/<db_id>/<db_id>.sqlite")

@@ -69,3 +69,12 @@ def setup_actor_logging(name: str) -> structlog.BoundLogger:
     if not run_dir:
         return get_logger(name)
     return setup_logging(run_dir, name.replace(":", "_").replace("/", "_"), console=False)
+
+
+def quiet_cpu_host() -> None:
+    """On a host without NVIDIA devices, tell DeepSpeed so: its accelerator auto-detection otherwise
+    prints a WARNING line on import (transformers imports it when accelerate is installed), which
+    breaks the launcher's one-line errors. Only this process's environment; GPU actors are unaffected
+    (DS_* is not forwarded to them)."""
+    if "DS_ACCELERATOR" not in os.environ and not os.path.exists("/dev/nvidiactl"):
+        os.environ["DS_ACCELERATOR"] = "cpu"
