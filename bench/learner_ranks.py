@@ -101,7 +101,7 @@ def main() -> None:
     cfg.learner = LearnerConfig(zero_stage=args.zero_stage, dtype="float32", lr=1e-4, device="cpu")
     batches = make_batches(args.steps, args.groups, args.samples, args.budget, args.vocab)
     os.environ["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              _temp_dir=tempfile.mkdtemp(prefix="ray-bench-", dir="/tmp"))
     load0 = os.getloadavg()[0]
     try:

@@ -26,7 +26,7 @@ def _local_ray():
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = root + os.pathsep + (saved or "")
     temp_dir = tempfile.mkdtemp(prefix="ray-test-", dir="/tmp")
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
     try:
         yield ray
     finally:
