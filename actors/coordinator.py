@@ -18,11 +18,12 @@ Invariants:
   actors.weight_sync, driven bucket by bucket from here.
 - A checkpoint holds the learner's state and this cursor (step, version, epoch, position); a
   resumed run continues at the next step with the same data order.
+
+The weight-sync handshake lives in actors/coordinator_sync.py and checkpoints in
+actors/coordinator_checkpoint.py (mixins of Coordinator, with their own invariants).
 """
 from __future__ import annotations
 
-import asyncio
-import json
 import random
 import time
 from pathlib import Path
@@ -30,20 +31,14 @@ from typing import Any
 
 import msgspec
 
+from actors.coordinator_checkpoint import Checkpointing, count_outcomes
+from actors.coordinator_sync import WeightSyncHandshake
+from actors.shell import call
 from launch.config import RunConfig
 from observe.ray_metrics import export as export_ray_metrics
 from queues.messages import Event, PromptTask, codec
 
 EVAL_PREFIX = "eval:"
-
-
-async def call(handle: Any, method: str, *args, **kwargs) -> Any:
-    """Calls a method on a Ray actor handle or a plain object alike (plain objects in tests)."""
-    fn = getattr(handle, method)
-    if hasattr(fn, "remote"):
-        return await fn.remote(*args, **kwargs)
-    out = fn(*args, **kwargs)
-    return await out if asyncio.iscoroutine(out) else out
 
 
 class DataCursor:
@@ -72,7 +67,9 @@ class DataCursor:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
 
 
-class Coordinator:
+class Coordinator(WeightSyncHandshake, Checkpointing):
+    """The step loop (this module's docstring); the weight-sync handshake and checkpoints are mixins."""
+
     def __init__(self, cfg: RunConfig, run_id: str, run_dir: str, redis_url: str, train_items: list, eval_items: list,
                  *, generators: list, learner: Any, assembler: Any, metrics_logger=None, log=None):
         if cfg.coordinator.weight_sync == "auto":  # the launcher resolves it; a directly built one does here
@@ -134,37 +131,6 @@ class Coordinator:
                 next_heal = time.monotonic() + 1.0
         return max((self._generated.get(t, 0.0) for t in task_ids), default=time.time())
 
-    async def heal_generators(self, timeout_s: float = 2.0) -> int:
-        """Finds generators that lost their weights (restarted by Ray after a crash: initial
-        weights, or a version other than ours) and syncs the current version into them alone.
-        Returns how many were resynced; a generator still restarting is tried next time."""
-        async def check(g):
-            if not hasattr(g, "health"):
-                return False
-            try:
-                h = await asyncio.wait_for(call(g, "health"), timeout_s)
-            except Exception:  # noqa: BLE001 - still restarting: next round
-                return False
-            return bool(h["needs_weights"]) or int(h["version"]) != self.version
-        flags = await asyncio.gather(*(check(g) for g in self.generators))
-        lagging = [g for g, f in zip(self.generators, flags) if f]
-        if not lagging:
-            return 0
-        if self.log is not None:
-            self.log.warning("resyncing restarted generators", count=len(lagging), version=self.version)
-        self.resyncs = getattr(self, "resyncs", 0) + len(lagging)
-        try:
-            await asyncio.gather(*(call(g, "wake", ["weights"]) for g in lagging))
-            await self.sync_weights(self.version, targets=lagging, attempts=1)
-            await asyncio.gather(*(call(g, "set_version", self.version) for g in lagging))
-            await asyncio.gather(*(call(g, "wake", ["kv_cache"]) for g in lagging))
-            await asyncio.gather(*(call(g, "resume") for g in lagging))
-        except Exception as e:  # noqa: BLE001 - it died again mid-sync: next round
-            if self.log is not None:
-                self.log.warning("generator resync failed; retrying", error=str(e).splitlines()[0][:200])
-            return 0
-        return len(lagging)
-
     def _tasks(self, step: int, indices: list[int], version: int, first_slot: int = 0) -> list[PromptTask]:
         n = self.cfg.generator.n_samples
         now = time.time()
@@ -178,77 +144,6 @@ class Coordinator:
     async def _publish(self, tasks: list[PromptTask]) -> list[str]:
         await self.prompts.publish_many([codec(PromptTask).encode(t) for t in tasks])
         return [t.task_id for t in tasks]
-
-    # -- handshakes --------------------------------------------------------------------------
-
-    async def _all_generators(self, method: str, *args) -> list:
-        return await asyncio.gather(*(call(g, method, *args) for g in self.generators))
-
-    async def sync_weights(self, version: int, targets: list | None = None, attempts: int = 5) -> float:
-        """Learner -> every generator (or `targets`), bucket by bucket; returns seconds taken.
-        A sync that fails (a generator died mid-sync; Ray restarts it) is redone from bucket 0."""
-        start = time.perf_counter()
-        for attempt in range(attempts):
-            try:
-                await self._sync_once(version, self.generators if targets is None else targets)
-                return time.perf_counter() - start
-            except Exception as e:  # noqa: BLE001
-                if attempt + 1 >= attempts:
-                    raise
-                if self.log is not None:
-                    self.log.warning("weight sync failed; redoing it", version=version, attempt=attempt + 1,
-                                     error=str(e).splitlines()[0][:200])
-                await asyncio.sleep(min(2.0, 0.25 * 2 ** attempt))
-        return time.perf_counter() - start
-
-    async def _sync_once(self, version: int, generators: list) -> None:
-        from actors.weight_sync import drive_bucketed_sync
-
-        kind = self.cfg.coordinator.weight_sync
-        if kind == "nccl" and len(generators) < len(self.generators):
-            # A broadcast needs every rank of the group: resyncing only some generators (a
-            # restarted one, from heal_generators) goes through the object store instead, so the
-            # others keep generating. The next full sync rebuilds the group with the newcomer.
-            kind = "object_store"
-        if kind in ("object_store", "cuda_ipc"):
-            await call(self.learner, "weight_sync_start", version, kind, self.cfg.coordinator.weight_bucket_mb)
-            got = [await drive_bucketed_sync(
-                lambda: call(self.learner, "weight_sync_next"),
-                [lambda msg, g=g: call(g, "weight_sync_receive", msg, kind) for g in generators],
-                abort=lambda: call(self.learner, "weight_sync_abort"))]
-        else:  # nccl (gloo on CPU): a private group of the learner (rank 0) and every generator
-            await self._broadcast_group()
-            try:
-                got = await asyncio.gather(call(self.learner, "weight_sync_broadcast", version),
-                                           *(call(g, "weight_sync_broadcast_receive", version)
-                                             for g in generators))
-            except BaseException:
-                self._broadcast_rdv = None  # a rank may be gone or the group broken: rebuild it first
-                raise
-        if any(v != version for v in got):
-            raise RuntimeError(f"weight sync finished at versions {got}, expected {version}")
-
-    async def _broadcast_group(self) -> None:
-        """nccl: builds the learner's private group with every generator, on the first sync and
-        again whenever a generator is not a member of it (Ray restarted it) or a sync failed.
-        Every rank must join at once, so the group is always rebuilt whole."""
-        rdv = self._broadcast_rdv
-        if rdv is not None:
-            joined = await asyncio.gather(*(call(g, "weight_sync_group") for g in self.generators))
-            if all(j == rdv for j in joined):
-                return
-        from actors.weight_sync import group_layout
-
-        self._broadcast_rdv = None
-        # A generator whose engine loads in k workers (vLLM, tensor parallelism k) takes k ranks.
-        firsts, world = group_layout(await asyncio.gather(*(call(g, "weight_sync_ranks") for g in self.generators)))
-        rdv = await call(self.learner, "weight_sync_listen", world, self.cfg.coordinator.weight_bucket_mb)
-        await asyncio.gather(call(self.learner, "weight_sync_init"),
-                             *(call(g, "weight_sync_join", rdv, first) for first, g in zip(firsts, self.generators)))
-        self._broadcast_rdv = rdv
-        if self.log is not None:
-            self.log.info("weight-sync group built", backend=rdv.backend, world_size=rdv.world_size,
-                          host=rdv.host, port=rdv.port)
 
     async def _eval(self) -> dict[str, float]:
         if not self.eval_items:
@@ -373,70 +268,6 @@ class Coordinator:
         m.update(await self.queue_depths())
         return m
 
-    # -- checkpoints -------------------------------------------------------------------------
-
-    def checkpoint_dir(self, step: int) -> Path:
-        return self.run_dir / "checkpoints" / f"step_{step:06d}"
-
-    async def save_checkpoint(self, step: int) -> Path:
-        """DeepSpeed checkpoint + cursor, then the HF export of the same weights (hf/step_<step+1>),
-        then the `latest` marker, then pruning (launch/export.py: never the latest checkpoint)."""
-        from launch.export import prune_checkpoints, prune_exports, write_atomic
-
-        path = self.checkpoint_dir(step)
-        path.mkdir(parents=True, exist_ok=True)
-        await call(self.learner, "save", str(path / "learner"))
-        # The cursor where step+1 starts: the next step's prompts may already be published
-        # (taken from the cursor) when this checkpoint is written; a resume must take them again.
-        cursor = getattr(self, "_cursor_before", {}).get(step + 1, self.cursor.state())
-        state = {"step": step, "version": self.version, "cursor": cursor,
-                 "outcomes": _count(self.ledger.values()), "ledger": self.ledger,
-                 "resyncs": getattr(self, "resyncs", 0)}
-        write_atomic(path / "coordinator.json", json.dumps(state))
-        await self.export_hf(step + 1)
-        write_atomic(self.run_dir / "checkpoints" / "latest", path.name)
-        pruned = prune_checkpoints(self.run_dir / "checkpoints", self.cfg.coordinator.keep_checkpoints)
-        pruned += prune_exports(self.run_dir / "hf", self.cfg.coordinator.keep_exports)
-        if pruned and self.log is not None:
-            self.log.info("checkpoints pruned", removed=[f"{p.parent.name}/{p.name}" for p in pruned],
-                          keep=self.cfg.coordinator.keep_checkpoints, keep_exports=self.cfg.coordinator.keep_exports)
-        return path
-
-    async def export_hf(self, steps_done: int) -> Path:
-        """The learner writes a Hugging Face directory into a temp dir; it is renamed into place whole."""
-        from launch.export import begin_export, commit_export, export_dir, inference_settings, source_model_dir
-
-        final = export_dir(self.run_dir, steps_done)
-        tmp = begin_export(final)
-        await call(self.learner, "export_hf", str(tmp))
-        commit_export(tmp, final, inference_settings(self.cfg, self.run_id, steps_done),
-                      source_model_dir(self.cfg, self.run_dir))
-        return final
-
-    @staticmethod
-    def latest_checkpoint(run_dir: Path) -> Path | None:
-        marker = Path(run_dir) / "checkpoints" / "latest"
-        if not marker.exists():
-            return None
-        path = marker.parent / marker.read_text().strip()
-        return path if (path / "coordinator.json").exists() else None
-
-    async def resume_from(self, path: Path) -> None:
-        state = json.loads((path / "coordinator.json").read_text())
-        await call(self.learner, "load", str(path / "learner"))
-        self.step = state["step"] + 1
-        self.version = state["version"]
-        c = state["cursor"]
-        self.cursor = DataCursor(len(self.train_items), c["seed"], c["epoch"], c["position"])
-        # Outcomes up to the checkpoint's step; later steps (lost with the crash) are redone.
-        self.ledger = {t: o for t, o in state.get("ledger", {}).items()
-                       if not t[:1].isdigit() or int(t.split(":", 1)[0]) <= state["step"]}
-        # The generators start from the initial weights: give them the checkpoint's.
-        await self._all_generators("wake", ["weights"])
-        await self.sync_weights(self.version)
-        await self._all_generators("set_version", self.version)
-        await self._all_generators("wake", ["kv_cache"])
-
     def attach_metrics(self, run_dir: str, console: bool, wandb_cfg: dict) -> None:
         """Inside the actor: its own JSON log and the run's metrics.jsonl."""
         from observe.logs import setup_logging
@@ -445,17 +276,6 @@ class Coordinator:
         self.log = setup_logging(run_dir, "coordinator", console=False)
         self.metrics_logger = MetricsLogger(run_dir, console=console, wandb_cfg=wandb_cfg,
                                             run_config=msgspec.to_builtins(self.cfg))
-
-    async def initial_sync(self, warm_start_metrics: dict[str, float]) -> None:
-        """After a warm start the generators hold the initial weights: give them version 0."""
-        if not warm_start_metrics:
-            return
-        if self.log is not None:
-            self.log.info("warm-start done", **{k: round(v, 4) for k, v in warm_start_metrics.items()})
-        await self._all_generators("wake", ["weights"])
-        await self.sync_weights(self.version)
-        await self._all_generators("set_version", self.version)
-        await self._all_generators("wake", ["kv_cache"])
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -517,7 +337,7 @@ class Coordinator:
         if self.metrics_logger is not None:
             self.metrics_logger.close()  # flushes metrics.jsonl; wandb.finish() when W&B is on
             self.metrics_logger = None
-        return {"steps": self.step, "version": self.version, "outcomes": _count(self.ledger.values()),
+        return {"steps": self.step, "version": self.version, "outcomes": count_outcomes(self.ledger.values()),
                 "ledger_size": len(self.ledger)}
 
     async def _log_eval(self, result: dict[str, float]) -> None:
@@ -543,9 +363,3 @@ class Coordinator:
     def get_ledger(self) -> dict[str, str]:
         return dict(self.ledger)
 
-
-def _count(values) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for v in values:
-        out[v] = out.get(v, 0) + 1
-    return out

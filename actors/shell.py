@@ -11,9 +11,12 @@ Invariants:
 - What the class itself needs to run correctly (e.g. the generator's `max_concurrency` for its
   control calls beside its loop) is the class attribute `RAY_OPTIONS`; where it runs is the caller's.
 - The actor's process title is `ray::<class name>` (what bench/chaos targets).
+- `call(handle, method, ...)` awaits a method alike on a Ray actor handle or on the plain object
+  itself, which is how the coordinator's code runs unchanged in tests without Ray.
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 _ACTORS: dict[type, Any] = {}
@@ -29,3 +32,12 @@ def ray_actor(cls: type) -> Any:
         actor = ray.remote(**options)(cls) if options else ray.remote(cls)
         _ACTORS[cls] = actor
     return actor
+
+
+async def call(handle: Any, method: str, *args, **kwargs) -> Any:
+    """Calls a method on a Ray actor handle or a plain object alike (plain objects in tests)."""
+    fn = getattr(handle, method)
+    if hasattr(fn, "remote"):
+        return await fn.remote(*args, **kwargs)
+    out = fn(*args, **kwargs)
+    return await out if asyncio.iscoroutine(out) else out
