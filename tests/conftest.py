@@ -1,4 +1,9 @@
 """Shared fixtures: a real redis-server per test (started in ~15 ms on a unix socket)."""
+import contextlib
+import os
+import shutil
+import tempfile
+
 import pytest
 
 from queues.redis_server import EmbeddedRedis
@@ -15,20 +20,34 @@ def redis_url(redis_server):
     return redis_server.url
 
 
-@pytest.fixture
-def local_ray(monkeypatch):
-    """A real local Ray (2 CPUs, no dashboard) in its own temp dir; workers import this repo."""
-    import os
-    import shutil
-    import tempfile
+@contextlib.contextmanager
+def ray_cluster(prefix: str = "ray-test-"):
+    """A real local Ray (2 CPUs, no dashboard) in its own temp dir, whose workers import this repo.
 
+    `address="local"` always starts a new cluster (never joins one another test or process left).
+    PYTHONPATH is restored afterwards. Used by the `local_ray` fixture and by module-scoped ones.
+    """
     ray = pytest.importorskip("ray")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    monkeypatch.setenv("PYTHONPATH", root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    temp_dir = tempfile.mkdtemp(prefix="ray-test-", dir="/tmp")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = root + os.pathsep + (saved or "")
+    temp_dir = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
     try:
-        yield ray
+        ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
     finally:
-        ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
+@pytest.fixture
+def local_ray():
+    """A real local Ray for one test (see ray_cluster)."""
+    with ray_cluster() as ray:
+        yield ray

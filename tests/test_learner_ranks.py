@@ -2,7 +2,6 @@
 micro-batches across ranks, 2 ranks == 1 rank for every ZeRO stage, checkpoints of one world size."""
 from __future__ import annotations
 
-import contextlib
 import random
 from pathlib import Path
 
@@ -10,32 +9,8 @@ import pytest
 import torch
 
 from policies.shard import split_across_ranks
+from tests.conftest import ray_cluster
 from tests.test_learner import MODEL_CFG, TEMPERATURE, make_batch, model_dir  # noqa: F401 - model_dir: a fixture
-
-
-@contextlib.contextmanager
-def _local_ray():
-    """tests/conftest.py's local_ray, for a module-scoped fixture (its own temp dir; workers import this repo)."""
-    import os
-    import shutil
-    import tempfile
-
-    import ray
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = root + os.pathsep + (saved or "")
-    temp_dir = tempfile.mkdtemp(prefix="ray-test-", dir="/tmp")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -132,7 +107,7 @@ def ranks_vs_one(model_dir, tmp_path_factory):
         await stream.publish(codec(TrainBatch).encode(batch))
 
     out = {"batch": batch, "root": root, "stages": {}}
-    with EmbeddedRedis(root) as redis, _local_ray():
+    with EmbeddedRedis(root) as redis, ray_cluster():
         for stage in STAGES:
             cfg = _run_cfg(stage)
             one = Learner(cfg.learner, cfg.model, model_dir, total_steps=10, micro_batch_tokens=64,

@@ -1,7 +1,3 @@
-import tempfile
-
-import ray
-
 from observe import ray_metrics
 
 
@@ -11,12 +7,7 @@ def test_export_is_a_noop_without_ray():
     assert ray_metrics._gauges == {}
 
 
-def test_counters_become_ray_gauges():
-    temp_dir = tempfile.mkdtemp(prefix="arl-ray-")  # short: Ray's socket paths must fit 107 bytes
-    ray.init(address="local", num_cpus=1, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
-    try:
-        ray_metrics._gauges.clear()
-        ray_metrics.export("generator-0", {"generator_tokens_per_s": 12.5, "queue/rollouts length": 3})
-        assert set(ray_metrics._gauges) == {"arl_generator_tokens_per_s", "arl_queue_rollouts_length"}
-    finally:
-        ray.shutdown()
+def test_counters_become_ray_gauges(local_ray):
+    ray_metrics._gauges.clear()
+    ray_metrics.export("generator-0", {"generator_tokens_per_s": 12.5, "queue/rollouts length": 3})
+    assert set(ray_metrics._gauges) == {"arl_generator_tokens_per_s", "arl_queue_rollouts_length"}

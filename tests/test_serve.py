@@ -6,13 +6,12 @@ one-line reason, the proxy listens on loopback only, and the page loads.
 """
 import concurrent.futures
 import hashlib
-import os
 import shutil
 import socket
-import tempfile
 
 import pytest
 
+from tests.conftest import ray_cluster
 from tests.tiny_export import build
 
 httpx = pytest.importorskip("httpx")
@@ -26,31 +25,21 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray")
     from ray import serve
 
     from launch.serve import ServeOptions, start
 
     model, bird = build(tmp_path_factory.mktemp("serve"))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    old_pp = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = root + os.pathsep + (old_pp or "")
-    temp_dir = tempfile.mkdtemp(prefix="ray-serve-test-", dir="/tmp")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
-    try:
-        opts = ServeOptions(model=str(model), bird_dir=str(bird), engine="transformers", device="cpu",
-                            max_batch_size=8, batch_wait_s=0.2, sql_timeout_s=5.0, sql_workers=1)
-        url = start(opts, "127.0.0.1", free_port(), replicas=1, actor_options={"num_cpus": 1}, timeout_s=300)
-        with httpx.Client(base_url=url, timeout=60) as client:
-            yield client, model, bird
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        if old_pp is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old_pp
+    with ray_cluster("ray-serve-test-"):
+        try:
+            opts = ServeOptions(model=str(model), bird_dir=str(bird), engine="transformers", device="cpu",
+                                max_batch_size=8, batch_wait_s=0.2, sql_timeout_s=5.0, sql_workers=1)
+            url = start(opts, "127.0.0.1", free_port(), replicas=1, actor_options={"num_cpus": 1}, timeout_s=300)
+            with httpx.Client(base_url=url, timeout=60) as client:
+                yield client, model, bird
+        finally:
+            serve.shutdown()
 
 
 @pytest.mark.parametrize("args, message", [

@@ -6,9 +6,7 @@ import datetime
 import io
 import os
 import queue as queue_mod
-import shutil
 import socket
-import tempfile
 import threading
 import time
 
@@ -18,7 +16,6 @@ import torch.multiprocessing as mp
 
 from actors import weight_sync as ws
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_weights(seed: int, odd_shape: bool = False) -> dict[str, torch.Tensor]:
@@ -313,10 +310,8 @@ def test_gloo_wrong_shape_fails_both_sides_clearly_without_bumping_the_version(g
 # ----------------------------------------------------------------------------- Ray object store
 
 
-def test_object_store_sync_between_two_ray_actors(monkeypatch):
-    ray = pytest.importorskip("ray")
-    monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    temp_dir = tempfile.mkdtemp(prefix="ray-ws-", dir="/tmp")
+def test_object_store_sync_between_two_ray_actors(local_ray):
+    ray = local_ray
 
     @ray.remote
     class Learner:
@@ -346,22 +341,17 @@ def test_object_store_sync_between_two_ray_actors(monkeypatch):
         def state(self):
             return self.receiver.version, len(self.model.loads), self.model.params
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
-    try:
-        learner, generator = Learner.remote(), Generator.remote()
+    learner, generator = Learner.remote(), Generator.remote()
 
-        async def coordinate():
-            await learner.weight_sync_start.remote(7)
-            return await ws.drive_bucketed_sync(learner.weight_sync_next.remote, [generator.weight_sync_receive.remote],
-                                                abort=learner.weight_sync_abort.remote)
+    async def coordinate():
+        await learner.weight_sync_start.remote(7)
+        return await ws.drive_bucketed_sync(learner.weight_sync_next.remote, [generator.weight_sync_receive.remote],
+                                            abort=learner.weight_sync_abort.remote)
 
-        assert asyncio.run(coordinate()) == 7
-        version, loads, params = ray.get(generator.state.remote())
-        assert version == 7 and loads >= 3
-        assert_same(make_weights(4), params)
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert asyncio.run(coordinate()) == 7
+    version, loads, params = ray.get(generator.state.remote())
+    assert version == 7 and loads >= 3
+    assert_same(make_weights(4), params)
 
 
 def test_broadcast_store_listens_on_the_rendezvous_host_alone():
