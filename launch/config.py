@@ -384,6 +384,17 @@ def check_inputs(cfg: RunConfig) -> None:
     if not cfg.data.synthetic and not cfg.data.bird_dir:
         raise ConfigError("config key 'data.bird_dir': is required (the directory holding train.json / dev.json)")
     check_attention(cfg)
+    check_multi_node(cfg)
+
+
+def check_multi_node(cfg: RunConfig) -> None:
+    """Several nodes need one Redis every node reaches: the embedded redis-server is a unix socket."""
+    import os
+
+    if cfg.cluster.num_nodes > 1 and not (cfg.cluster.redis_url or os.environ.get("REDIS_URL")):
+        raise ConfigError(f"config key 'cluster.redis_url': cluster.num_nodes={cfg.cluster.num_nodes} needs a Redis "
+                          "every node reaches (set REDIS_URL=redis://host:port or cluster.redis_url); the embedded "
+                          "redis-server listens on a unix socket of this machine only")
 
 
 def check_attention(cfg: RunConfig) -> None:

@@ -69,6 +69,21 @@ def test_real_runs_need_model_and_data_paths():
         check_inputs(get_recipe("bird_32b"))
 
 
+def test_a_multi_node_run_needs_a_redis_every_node_reaches(monkeypatch):
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    cfg = get_recipe("bird_32b")  # 4 nodes
+    cfg.model.path, cfg.data.bird_dir = "/models/q", "/data/bird"
+    with pytest.raises(ConfigError, match="cluster.redis_url") as err:
+        check_inputs(cfg)
+    assert "\n" not in str(err.value)
+    monkeypatch.setenv("REDIS_URL", "redis://head:6379/0")
+    check_inputs(cfg)
+    one = get_recipe("bird_1p7b")  # one node: the embedded server serves it
+    one.model.path, one.data.bird_dir = "/models/q", "/data/bird"
+    monkeypatch.delenv("REDIS_URL")
+    check_inputs(one)
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "launch.cluster", *args], capture_output=True, text=True, timeout=60)
 
