@@ -10,7 +10,8 @@ Invariants:
   actor dies first, the groups stay pending, a restarted assembler (same consumer name) reads
   them back, and the batch is rebuilt identically; the learner ignores a second batch for a step
   it already trained.
-- Packing follows policies.packing: every kept sample lands in exactly one micro-batch.
+- Packing follows policies.packing (policies.prefix with share_prompt: groups as units, the prompt
+  counted once): every kept sample lands in exactly one micro-batch.
 - Staleness metrics are over the tokens of the trained groups, in versions behind the step's
   version: mean, max, the fraction of tokens at each lag (`tokens_lag<k>_frac`, summing to 1) and
   the fraction of samples whose tokens span more than one version (partial rollouts).
@@ -30,6 +31,7 @@ import torch
 from launch.config import AssemblerConfig
 from policies.grpo import group_advantages
 from policies.packing import plan_micro_batches, split_minibatches
+from policies.prefix import plan_group_micro_batches
 from queues.messages import ScoredGroup, TrainBatch, TrainGroup, codec, oldest_version, sample_versions, unpack_ids
 
 log = structlog.get_logger("arctic_rl.assembler")
@@ -52,10 +54,16 @@ def admit(group: ScoredGroup, version: int, cfg: AssemblerConfig) -> str:
 
 
 def build_batch(step: int, version: int, groups: list[ScoredGroup], cfg: AssemblerConfig) -> TrainBatch:
-    """Advantages per group, then a token-budget packing plan over all kept samples (pure)."""
+    """Advantages per group, then a token-budget packing plan over all kept samples (pure).
+
+    With cfg.share_prompt (set from learner.share_prompt) groups are planned as units with the
+    prompt counted once (policies/prefix.py); num_tokens and the minibatch balance use those counts.
+    """
     train_groups: list[TrainGroup] = []
     flat: list[tuple[int, int]] = []
     lengths: list[int] = []
+    prompt_lens: list[int] = []
+    comp_lens: list[list[int]] = []
     for gi, g in enumerate(groups):
         rewards = torch.tensor([g.rewards], dtype=torch.float64)
         adv, _ = group_advantages(rewards, normalize_std=cfg.normalize_std)
@@ -65,9 +73,16 @@ def build_batch(step: int, version: int, groups: list[ScoredGroup], cfg: Assembl
             completions=[s.tokens for s in g.rollout.samples], gen_logprobs=[s.logprobs for s in g.rollout.samples],
             advantages=[float(a) for a in adv[0]], rewards=list(g.rewards), policy_version=oldest_version(g.rollout)))
         prompt_len = len(prompt) // 4
+        prompt_lens.append(prompt_len)
+        comp_lens.append([len(s.tokens) // 4 for s in g.rollout.samples])
         for si, s in enumerate(g.rollout.samples):
             flat.append((gi, si))
             lengths.append(prompt_len + len(s.tokens) // 4)
+    if cfg.share_prompt:
+        pairs, tokens = plan_group_micro_batches(prompt_lens, comp_lens, cfg.micro_batch_tokens) if flat else ([], [])
+        minibatches = split_minibatches(pairs, cfg.minibatches_per_step, tokens=tokens) if pairs else []
+        return TrainBatch(step=step, policy_version=version, groups=train_groups, micro_batches=pairs,
+                          minibatches=minibatches, num_tokens=sum(tokens))
     micro = plan_micro_batches(lengths, cfg.micro_batch_tokens) if flat else []
     minibatches = split_minibatches(micro, cfg.minibatches_per_step, lengths) if micro else []
     return TrainBatch(step=step, policy_version=version, groups=train_groups,

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from policies.packing import FLASH_ATTENTION_IMPLS, VARLEN, needs_dense_mask  # noqa: F401  (re-exported)
+from policies.packing import (FLASH_ATTENTION_IMPLS, FLEX, VARLEN, expresses_shared_prefix,  # noqa: F401
+                              needs_dense_mask)  # (re-exported)
 
 
 def torch_varlen_available() -> bool:
@@ -41,8 +42,13 @@ def flash_attn_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def select_attn_implementation(requested: str, device: torch.device | str) -> str:
+def select_attn_implementation(requested: str, device: torch.device | str, share_prompt: bool = False) -> str:
     """The attention implementation the learner builds its model with.
+
+    With `share_prompt` (learner.share_prompt: rows whose responses share a prompt, policies/prefix.py):
+    "sdpa" / "auto" become "prefix_flex" (actors/attention_flex.py) on CUDA and stay "sdpa" with the
+    dense mask elsewhere; flash / "varlen" cannot express the mask: a ValueError naming the field.
+    Without it:
 
     - "varlen": always honoured (on CPU it runs the per-sample sdpa loop; see the module doc).
     - "sdpa" or "auto" on CUDA without flash_attn, where torch has varlen_attn: "varlen", because
@@ -51,6 +57,16 @@ def select_attn_implementation(requested: str, device: torch.device | str) -> st
     - "auto" elsewhere: "sdpa" (block-diagonal mask). Anything else: unchanged.
     """
     dev = torch.device(device)
+    if share_prompt:
+        if not expresses_shared_prefix(requested):
+            raise ValueError(f"model.attn_implementation={requested!r} cannot express learner.share_prompt's mask "
+                             f"(responses sharing a prompt); use sdpa or auto (flex on CUDA, the dense mask on CPU), "
+                             f"or learner.share_prompt=false")
+        if requested in ("sdpa", "auto"):
+            from actors.attention_flex import flex_available
+
+            return FLEX if dev.type == "cuda" and flex_available() else "sdpa"
+        return requested
     if requested == VARLEN:
         return VARLEN
     if requested not in ("sdpa", "auto"):

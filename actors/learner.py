@@ -9,6 +9,10 @@ Invariants:
   applies learner.correction's importance weight (policies/offpolicy.py) where it is on.
 - Micro-batches are packed rows of whole samples under a token budget (policies/packing.py);
   nothing is padded to [B, max prompt + max response]. Attention never crosses samples.
+- With learner.share_prompt, the consecutive samples of one group in a micro-batch form one part
+  with the prompt computed once (policies/prefix.py): same log-probs, loss and update as the
+  unshared row, fewer tokens. The plan's pairs decide the parts, so a planner that did not share
+  (or split a group) stays exact; a group listed non-contiguously is refused naming the field.
 - Every rank holds the whole TrainBatch and takes its share of each minibatch's micro-batches
   with policies/shard.py (token-balanced, the same number of forward/backward calls on every
   rank; a rank short of micro-batches runs an empty, zero-weight one, so ZeRO-3's gathers and the
@@ -36,6 +40,7 @@ import torch
 from actors.learner_engine import LearnerEngine
 from policies.grpo import policy_loss
 from policies.packing import PackedBatch, pack, plan_micro_batches
+from policies.prefix import group_runs, pack_shared
 from policies.shard import split_across_ranks
 from queues.messages import TrainBatch, unpack_floats, unpack_ids
 
@@ -56,9 +61,10 @@ class Learner(LearnerEngine):
         # correction of learner.correction (policies/offpolicy.py) where it is on.
         use_gen = all(g.gen_logprobs for g in groups)
         seen: set[tuple[int, int]] = set()
+        share = bool(self.cfg.share_prompt)
         out = []
         for m, plan in enumerate(batch.micro_batches):
-            seqs, adv, gen = [], [], []
+            comps, adv, gen = [], [], []
             for g, s in plan:
                 if not (0 <= g < len(groups)) or not (0 <= s < len(groups[g].completions)):
                     raise ValueError(f"TrainBatch.micro_batches[{m}] names (group {g}, sample {s}), which does not exist")
@@ -71,10 +77,17 @@ class Learner(LearnerEngine):
                 if glp is not None and len(glp) != len(comp):
                     raise ValueError(f"TrainBatch.groups[{g}].gen_logprobs[{s}] has {len(glp)} values for "
                                      f"{len(comp)} completion tokens")
-                seqs.append((prompts[g], comp))
+                comps.append(comp)
                 adv.append(float(grp.advantages[s]))
                 gen.append(glp)
-            pb = pack(seqs)
+            if share:
+                # Consecutive samples of one group -> one part with its prompt once (policies/prefix.py).
+                runs = group_runs(plan, field=f"TrainBatch.micro_batches[{m}]")
+                it = iter(comps)
+                pb = pack_shared([(prompts[g], [next(it) for _ in ss]) for g, ss in runs],
+                                 pad_to_multiple_of=self.pad_multiple)
+            else:
+                pb = pack([(prompts[g], c) for (g, _), c in zip(plan, comps)], pad_to_multiple_of=self.pad_multiple)
             out.append({"packed": pb, "advantages": pb.scatter_per_sample(adv),
                         "gen_logprobs": pb.scatter(gen) if use_gen else None, "weight": 1.0})
         for k, mbatch in enumerate(batch.minibatches):
@@ -92,7 +105,7 @@ class Learner(LearnerEngine):
     def _empty(self, use_gen: bool) -> dict[str, Any]:
         """A zero-weight micro-batch (one 2-token sample): it runs the forward and backward (ZeRO-3's
         gathers, the gradient hooks) and adds exactly nothing."""
-        pb = pack([([0], [0])])
+        pb = pack([([0], [0])], pad_to_multiple_of=self.pad_multiple)
         zeros = torch.zeros(pb.input_ids.shape)
         return self._on_device({"packed": pb, "advantages": zeros, "gen_logprobs": zeros if use_gen else None,
                                 "weight": 0.0})
@@ -237,7 +250,8 @@ class Learner(LearnerEngine):
         if not pairs:
             raise ValueError("sft_step needs at least one (prompt, target) pair")
         plan = plan_micro_batches([len(p) + len(t) for p, t in pairs], self.micro_batch_tokens)
-        packed = [{"packed": pack([pairs[i] for i in mb]), "weight": 1.0} for mb in plan]
+        packed = [{"packed": pack([pairs[i] for i in mb], pad_to_multiple_of=self.pad_multiple), "weight": 1.0}
+                  for mb in plan]
         total = float(sum(it["packed"].num_loss_tokens for it in packed))
         share = self._share(packed, use_gen=False)
         old_lrs = [g["lr"] for g in self.torch_optimizer.param_groups]
@@ -266,7 +280,7 @@ class Learner(LearnerEngine):
             plan = plan_micro_batches([len(p) + len(c) for p, c in sequences], self.micro_batch_tokens)
             by_index: dict[int, torch.Tensor] = {}
             for mb in plan:
-                pb = pack([sequences[i] for i in mb]).to(self.device)
+                pb = pack([sequences[i] for i in mb], pad_to_multiple_of=self.pad_multiple).to(self.device)
                 lp, _ = self._forward(pb)
                 for i, v in zip(mb, pb.unpack(lp)):
                     by_index[i] = v.cpu()

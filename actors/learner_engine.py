@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import structlog
 import torch
 
-from actors import attention
+from actors import attention, attention_flex
 from actors.dtypes import torch_dtype
 from actors.logprob_head import LogProbHead, apply_liger_kernels, limit_checkpointed_layers, restore_rotary_buffers
 from actors.optimizer_offload import OptimizerStateOffload, offload_optimizer, reload_optimizer
@@ -106,13 +106,21 @@ class LearnerEngine:
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(self.device)
         self.dtype = torch_dtype(learner_cfg.dtype)
-        self.attn_implementation = attention.select_attn_implementation(model_cfg.attn_implementation, self.device)
+        self.attn_implementation = attention.select_attn_implementation(
+            model_cfg.attn_implementation, self.device, share_prompt=learner_cfg.share_prompt)
         if self.attn_implementation == attention.VARLEN:
             attention.register()
+        if self.attn_implementation == attention.FLEX:
+            attention_flex.register()
+        # Rows padded to flex's block size on CUDA (at most 127 positions, never in the loss).
+        self.pad_multiple = attention_flex.BLOCK if (self.attn_implementation == attention.FLEX
+                                                     and self.device.type == "cuda") else 1
         if self.attn_implementation != model_cfg.attn_implementation:
             log.info("learner.attention", requested=model_cfg.attn_implementation, using=self.attn_implementation,
                      reason="packed rows: varlen attention over cu_seqlens instead of sdpa's dense [T, T] mask"
-                     if self.attn_implementation == attention.VARLEN else "auto")
+                     if self.attn_implementation == attention.VARLEN else
+                     "learner.share_prompt: flex attention over segment and branch ids"
+                     if self.attn_implementation == attention.FLEX else "auto")
         self.use_liger = bool(learner_cfg.use_liger) and self.device.type == "cuda"
         if learner_cfg.use_liger and not self.use_liger:
             log.info("learner.logprob_path", path="torch", reason="use_liger needs a CUDA device; plain log_softmax on CPU")
@@ -216,10 +224,21 @@ class LearnerEngine:
 
     def _forward(self, mb: PackedBatch, module=None, with_entropy: bool = False, temperature: float | None = None):
         module = self.engine if module is None else module
-        mask = mb.attention_mask(self.attn_implementation, self.dtype)
-        extra = mb.varlen_kwargs() if self.attn_implementation == attention.VARLEN else {}
+        mask, extra = self._attention_inputs(mb)
         return module(mb.input_ids, mb.position_ids, mb.target_ids, attention_mask=mask,
                       with_entropy=with_entropy, temperature=temperature, **extra)
+
+    def _attention_inputs(self, mb: PackedBatch) -> tuple[Any, dict[str, Any]]:
+        """(attention_mask, extra model kwargs) for one packed row under this learner's attention."""
+        impl = self.attn_implementation
+        if mb.shared and not attention.expresses_shared_prefix(impl):
+            raise ValueError(f"a shared-prompt row cannot run on {impl!r} attention (learner.share_prompt needs "
+                             f"flex or the dense mask)")
+        if impl == attention.FLEX:
+            return attention_flex.block_mask_for(mb), {}
+        if impl == attention.VARLEN:
+            return None, mb.varlen_kwargs()
+        return mb.attention_mask(impl, self.dtype), {}
 
     def _optimizer_step(self) -> float:
         """engine.step() at the accumulation boundary; returns the pre-clip global grad norm."""

@@ -112,6 +112,9 @@ class AssemblerConfig(_Section):
     max_staleness: int = 0  # admit groups at most this many versions old
     micro_batch_tokens: int = 16_384  # token budget of one packed micro-batch
     minibatches_per_step: int = 1  # optimizer steps per update epoch
+    # Plan micro-batches with each group's prompt counted once (policies/prefix.py). Not a user key:
+    # validate() sets it from learner.share_prompt, the one source of truth.
+    share_prompt: bool = False
     num_cpus: float = 0.25
 
 
@@ -137,6 +140,9 @@ class LearnerConfig(_Section):
     correction: Literal["auto", "tis", "mis", "mis_seq", "off"] = "auto"
     correction_cap: float = 2.0
     use_liger: bool = False  # CUDA: liger's fused linear-CE log-prob head (logits never materialised)
+    # Each (part of a) group's prompt computed once per packed row, its responses after it, exact
+    # log-probs (policies/prefix.py); attention: flex on CUDA, the dense mask on CPU.
+    share_prompt: bool = False
     liger_kernels: bool = True  # with use_liger: also liger's RoPE / RMSNorm / SwiGLU kernels in the model
     gradient_checkpointing: bool = False
     # With gradient_checkpointing: how many decoder layers (the first N) recompute their activations
@@ -255,6 +261,8 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
             raise ConfigError(f"override {item!r} is not of the form key=value")
         key, raw = item.split("=", 1)
         key = key.strip()
+        if key == "assembler.share_prompt":
+            raise ConfigError("config key 'assembler.share_prompt': set learner.share_prompt (the assembler follows it)")
         parts = key.split(".")
         node_type: type = RunConfig
         node = data
@@ -304,6 +312,7 @@ def validate(data: dict) -> RunConfig:
         raise ConfigError(f"config: {msg}") from None
     check(cfg)
     cfg.learner.correction, cfg.learner.correction_cap = resolve_correction(cfg)
+    cfg.assembler.share_prompt = cfg.learner.share_prompt
     return cfg
 
 
@@ -370,6 +379,12 @@ def check(cfg: RunConfig) -> None:
     if cfg.learner.correction == "off" and why:
         log.warning("learner.correction='off' although generation is off-policy (%s): the loss is not "
                     "corrected for the behaviour policy", why)
+    if cfg.learner.share_prompt:
+        from policies.packing import expresses_shared_prefix
+
+        need(expresses_shared_prefix(cfg.model.attn_implementation), "model.attn_implementation",
+             f"{cfg.model.attn_implementation!r} cannot express learner.share_prompt's mask (responses sharing a "
+             "prompt); use sdpa or auto (flex on CUDA, the dense mask on CPU), or learner.share_prompt=false")
     need(cfg.coordinator.mode == "async" or cfg.assembler.max_staleness == 0,
          "assembler.max_staleness", "must be 0 in colocated mode (generation is on-policy)")
 

@@ -12,6 +12,12 @@ Invariants:
       varlen_attn over the row, cut by `PackedBatch.varlen_kwargs()` (cu_seqlens with trailing
       padding as a segment of its own, and the longest segment as a python int); no mask.
     * sdpa / eager (CPU, tests): an explicit block-diagonal causal 4D mask is built and passed.
+    * "prefix_flex" (actors/attention_flex.py, CUDA): FlexAttention with a block mask built from
+      `segment_ids` / `branch_ids`; it also expresses the shared-prompt rows of policies/prefix.py.
+- The attention rule, one for every layout: query q may see key k iff `segment_ids` are equal,
+  k <= q in row order, and `branch_ids[k]` is 0 or equal to `branch_ids[q]`. `pack` puts every
+  sample in a segment of its own with branch 0 (block-causal); policies/prefix.py's shared rows use
+  the branches. `block_causal_mask` is that rule as a dense mask.
 - Everything is aligned to the *predicting* position: at position t the model's output scores
   `target_ids[t]`, the next token of the same sample. `loss_mask[t]` is True exactly when that
   target is a completion token, so prompt tokens, the last position of each sample and padding
@@ -21,7 +27,7 @@ from __future__ import annotations
 
 import heapq
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -29,10 +35,17 @@ import torch
 FLASH_ATTENTION_IMPLS = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn",
                          "kernels-community/flash-attn3")
 VARLEN = "varlen"  # actors/attention.py registers it with transformers' AttentionInterface
+FLEX = "prefix_flex"  # actors/attention_flex.py registers it (FlexAttention, segment + branch block mask)
 
 
 def needs_dense_mask(attn_implementation: str) -> bool:
     """False for the implementations that keep samples apart themselves (no [T, T] mask)."""
+    return attn_implementation not in FLASH_ATTENTION_IMPLS and attn_implementation not in (VARLEN, FLEX)
+
+
+def expresses_shared_prefix(attn_implementation: str) -> bool:
+    """Whether the implementation can run policies/prefix.py's shared rows (branch ids): flex and the
+    dense mask can; flash / varlen cut a row into segments only."""
     return attn_implementation not in FLASH_ATTENTION_IMPLS and attn_implementation != VARLEN
 
 
@@ -78,17 +91,21 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int
 
 
 def split_minibatches(micro_batches: Sequence[Sequence[int]], num_minibatches: int,
-                      lengths: Sequence[int] | None = None) -> list[list[int]]:
+                      lengths: Sequence[int] | None = None, tokens: Sequence[int] | None = None) -> list[list[int]]:
     """Micro-batch indices per minibatch (one optimizer step each), balanced by tokens.
 
-    With `lengths` (per sample, as given to plan_micro_batches) the minibatches are balanced by
-    token count, else by sample count (longest-processing-time greedy). When there are fewer
+    With `tokens` (per micro-batch: what its packed row holds, e.g. a shared prompt counted once) or
+    `lengths` (per sample, as given to plan_micro_batches) the minibatches are balanced by token
+    count, else by sample count (longest-processing-time greedy). When there are fewer
     micro-batches than `num_minibatches`, every micro-batch becomes its own minibatch: fewer
     optimizer steps, never an empty one. Indices within a minibatch are ascending.
     """
     if num_minibatches < 1:
         raise ValueError(f"num_minibatches must be >= 1, got {num_minibatches}")
-    weight = [sum(lengths[i] for i in mb) if lengths is not None else len(mb) for mb in micro_batches]
+    if tokens is not None and len(tokens) != len(micro_batches):
+        raise ValueError(f"tokens has {len(tokens)} entries for {len(micro_batches)} micro-batches")
+    weight = (list(tokens) if tokens is not None else
+              [sum(lengths[i] for i in mb) if lengths is not None else len(mb) for mb in micro_batches])
     k = min(num_minibatches, len(micro_batches))
     heap = [(0, m) for m in range(k)]
     out: list[list[int]] = [[] for _ in range(k)]
@@ -103,8 +120,12 @@ def split_minibatches(micro_batches: Sequence[Sequence[int]], num_minibatches: i
 class PackedBatch:
     """One packed row. Every [1, T] tensor is aligned to the predicting position (see module doc).
 
-    sample_index[0, t]: the sample position t belongs to (-1: padding).
+    sample_index[0, t]: the sample position t belongs to (-1: padding, or a shared prompt trunk:
+        such positions never carry loss, and every per-sample use of sample_index is under loss_mask).
     token_index[0, t]: index within its completion of the token scored at t (-1: none).
+    segment_ids[0, t]: the attention segment (a sample, or one group part of a shared row; -1: padding).
+    branch_ids[0, t]: 0 on a shared trunk or an unshared sample, r + 1 on response r of a shared part.
+    cu_seqlens: segment boundaries; for `pack` these are the samples.
     """
 
     input_ids: torch.Tensor  # [1, T] long
@@ -117,6 +138,18 @@ class PackedBatch:
     completion_lengths: list[int]
     max_seqlen: int = 0  # longest segment of the row (a sample, or the trailing padding)
     num_padding: int = 0  # trailing padding positions (not in cu_seqlens)
+    segment_ids: torch.Tensor | None = None  # [1, T] long; None: sample_index (unshared rows)
+    branch_ids: torch.Tensor | None = None  # [1, T] long; None: all 0
+    shared: bool = False  # some segment has branches (a shared prompt): flash / varlen cannot run it
+    # Per-device attention inputs built once and reused by every forward (e.g. a flex block mask);
+    # never copied by `to`.
+    attn_cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.segment_ids is None:
+            self.segment_ids = self.sample_index
+        if self.branch_ids is None:
+            self.branch_ids = torch.zeros_like(self.sample_index)
 
     @property
     def num_tokens(self) -> int:
@@ -131,7 +164,8 @@ class PackedBatch:
         return len(self.completion_lengths)
 
     def to(self, device: torch.device | str) -> "PackedBatch":
-        fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()
+                  if k != "attn_cache"}
         return PackedBatch(**fields)
 
     def scatter(self, per_sample: Sequence[torch.Tensor], fill: float = 0.0,
@@ -165,7 +199,7 @@ class PackedBatch:
         """What to pass as `attention_mask` so attention stays inside each sample (module doc)."""
         if not needs_dense_mask(attn_implementation):
             return None
-        return block_causal_mask(self.sample_index[0], dtype)
+        return block_causal_mask(self.segment_ids[0], dtype, self.branch_ids[0])
 
     def varlen_cu_seqlens(self) -> torch.Tensor:
         """cu_seqlens covering the whole row: the samples, then trailing padding as one segment."""
@@ -176,13 +210,18 @@ class PackedBatch:
 
     def varlen_kwargs(self) -> dict:
         """Model kwargs for the "varlen" attention: transformers forwards them to the attention function."""
+        if self.shared:
+            raise ValueError("a shared-prompt row (learner.share_prompt) cannot run on varlen attention: "
+                             "its responses share a segment; use flex or the dense mask")
         cu = self.varlen_cu_seqlens()
         m = self.max_seqlen or int((cu[1:] - cu[:-1]).max())
         return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": m, "max_length_k": m}
 
 
-def block_causal_mask(segment_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[1, 1, T, T] additive mask: 0 where query t may see key s (same segment, s <= t), else min.
+def block_causal_mask(segment_ids: torch.Tensor, dtype: torch.dtype = torch.float32,
+                      branch_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[1, 1, T, T] additive mask: 0 where query t may see key s, else min (the module's rule: same
+    segment, s <= t, and branch[s] 0 or branch[t]; without `branch_ids` all branches are 0).
 
     Padding (segment -1) sees only itself; its outputs never reach the loss.
     """
@@ -194,6 +233,9 @@ def block_causal_mask(segment_ids: torch.Tensor, dtype: torch.dtype = torch.floa
     same = seg[:, None] == seg[None, :]
     causal = torch.ones(t, t, dtype=torch.bool, device=seg.device).tril()
     allowed = same & causal
+    if branch_ids is not None:
+        br = branch_ids.reshape(-1)
+        allowed &= (br[None, :] == 0) | (br[None, :] == br[:, None])
     mask = torch.zeros(t, t, dtype=dtype, device=seg.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
@@ -206,7 +248,7 @@ def pack(sequences: Sequence[tuple[Sequence[int] | torch.Tensor, Sequence[int] |
     Each prompt needs at least one token (it predicts the first completion token). With
     `pad_to_multiple_of` > 1 the row is padded at the end; padding is masked out of the loss.
     """
-    ids, pos, tgt, lmask, sidx, tidx = [], [], [], [], [], []
+    cols: dict[str, list[torch.Tensor]] = {k: [] for k in ROW_FILL}
     cu = [0]
     comp_lens = []
     for i, (prompt, completion) in enumerate(sequences):
@@ -216,34 +258,44 @@ def pack(sequences: Sequence[tuple[Sequence[int] | torch.Tensor, Sequence[int] |
             raise ValueError(f"sample {i} has an empty prompt; at least one token must predict the completion")
         seq = torch.cat([p, c])
         n, np_, nc = seq.numel(), p.numel(), c.numel()
-        ids.append(seq)
-        pos.append(torch.arange(n))
-        tgt.append(torch.cat([seq[1:], torch.zeros(1, dtype=torch.long)]))
         m = torch.zeros(n, dtype=torch.bool)
         m[np_ - 1: np_ - 1 + nc] = True  # position t predicts token t + 1
-        lmask.append(m)
-        sidx.append(torch.full((n,), i, dtype=torch.long))
         ti = torch.full((n,), -1, dtype=torch.long)
         ti[np_ - 1: np_ - 1 + nc] = torch.arange(nc)
-        tidx.append(ti)
+        for k, v in (("input_ids", seq), ("position_ids", torch.arange(n)),
+                     ("target_ids", torch.cat([seq[1:], torch.zeros(1, dtype=torch.long)])), ("loss_mask", m),
+                     ("sample_index", torch.full((n,), i, dtype=torch.long)), ("token_index", ti)):
+            cols[k].append(v)
         cu.append(cu[-1] + n)
         comp_lens.append(nc)
+    return finish_row(cols, cu, comp_lens, pad_to_multiple_of, pad_token_id)
+
+
+# Per-position columns of a packed row and the value trailing padding gets (position ids restart at 0).
+ROW_FILL = {"input_ids": None, "position_ids": None, "target_ids": 0, "loss_mask": False, "sample_index": -1,
+            "token_index": -1, "segment_ids": -1, "branch_ids": 0}
+
+
+def finish_row(cols: dict[str, list[torch.Tensor]], cu: list[int], completion_lengths: list[int],
+               pad_to_multiple_of: int = 1, pad_token_id: int = 0, shared: bool = False) -> PackedBatch:
+    """Columns (lists of 1-D pieces in row order; segment/branch ids may be left empty) -> the
+    PackedBatch, with trailing padding up to a multiple of `pad_to_multiple_of`."""
     total = cu[-1]
     pad = (-total) % max(1, pad_to_multiple_of)
     max_seqlen = max([b - a for a, b in zip(cu[:-1], cu[1:])] + [pad, 0])
-    if pad:
-        ids.append(torch.full((pad,), pad_token_id, dtype=torch.long))
-        pos.append(torch.arange(pad))
-        tgt.append(torch.zeros(pad, dtype=torch.long))
-        lmask.append(torch.zeros(pad, dtype=torch.bool))
-        sidx.append(torch.full((pad,), -1, dtype=torch.long))
-        tidx.append(torch.full((pad,), -1, dtype=torch.long))
-    cat = lambda xs, dt: (torch.cat(xs) if xs else torch.zeros(0, dtype=dt))[None]  # noqa: E731
-    return PackedBatch(
-        input_ids=cat(ids, torch.long), position_ids=cat(pos, torch.long), target_ids=cat(tgt, torch.long),
-        loss_mask=cat(lmask, torch.bool), cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-        sample_index=cat(sidx, torch.long), token_index=cat(tidx, torch.long), completion_lengths=comp_lens,
-        max_seqlen=max_seqlen, num_padding=pad)
+    out: dict[str, torch.Tensor | None] = {}
+    for k, fill in ROW_FILL.items():
+        xs = cols.get(k) or []
+        if not xs and k in ("segment_ids", "branch_ids"):
+            out[k] = None  # PackedBatch derives them (unshared rows)
+            continue
+        dt = torch.bool if k == "loss_mask" else torch.long
+        if pad:
+            xs = xs + [torch.arange(pad) if k == "position_ids" else
+                       torch.full((pad,), pad_token_id if k == "input_ids" else fill, dtype=dt)]
+        out[k] = (torch.cat(xs) if xs else torch.zeros(0, dtype=dt))[None]
+    return PackedBatch(**out, cu_seqlens=torch.tensor(cu, dtype=torch.int32), completion_lengths=completion_lengths,
+                       max_seqlen=max_seqlen, num_padding=pad, shared=shared)
 
 
 def padding_fraction(lengths: Sequence[int], micro_batches: Sequence[Sequence[int]], max_tokens: int) -> float:
