@@ -11,7 +11,8 @@ Invariants:
   mask or BlockMask unchanged (masking_utils, 5.17 and 5.24), so no mask function is registered.
 - On CUDA, flex_attention and create_block_mask are torch.compile'd once per process (Triton
   kernels; automatic dynamic shapes, so new row lengths do not recompile each time). Off CUDA they
-  run eagerly (a dense reference, slow: for tests of the mask and the plumbing only).
+  run eagerly (a dense reference, forward only: torch has no flex backward on CPU), for tests of the
+  mask and the plumbing; the learner never picks flex off CUDA.
 - GQA is native (`enable_gqa`); no dropout, no sliding window (refused in one line).
 """
 from __future__ import annotations
