@@ -62,20 +62,37 @@ def test_mask_lets_each_response_see_its_prompt_and_itself_never_a_sibling():
 
 
 def test_flex_block_mask_equals_the_dense_mask():
-    """actors/attention_flex on CPU (eager flex: a dense reference) gives sdpa's output with the dense mask."""
+    """actors/attention_flex on CPU (eager flex: a dense reference) gives sdpa's output with the dense
+    mask, over a row of several 128-token tiles (full, partial and skipped ones; a ragged end)."""
     import torch.nn.functional as F
 
-    from actors.attention_flex import block_mask_for, flex_attention_forward
+    from actors.attention_flex import BLOCK, block_mask_for, block_tiles, flex_attention_forward
 
-    pb = pack_shared([([5, 6, 7, 1], [[1, 2], [3, 4, 4], [2]]), ([9, 9], [[1], [2, 2]])], pad_to_multiple_of=8)
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, h, pb.num_tokens, 16, generator=g) for h in (4, 2, 2))
+    ids = lambda n: torch.randint(0, 50, (n,), generator=g)  # noqa: E731
+    pb = pack_shared([(ids(150), [ids(90), ids(3), ids(200)]), (ids(5), [ids(40)]), (ids(1), [ids(60), ids(7)])],
+                     pad_to_multiple_of=8)
+    t = pb.num_tokens
+    assert t % BLOCK and t > 4 * BLOCK
+    dense = pb.attention_mask("sdpa")[0, 0] == 0
+    any_t, all_t = block_tiles(pb.segment_ids, pb.branch_ids)
+    nb = -(-t // BLOCK)
+    padded = torch.zeros(nb * BLOCK, nb * BLOCK, dtype=torch.bool)
+    padded[:t, :t] = dense & (pb.segment_ids[0] >= 0)[:, None]
+    tiles = padded.reshape(nb, BLOCK, nb, BLOCK)
+    assert torch.equal(any_t, tiles.any(dim=(1, 3)))
+    full = tiles.all(dim=(1, 3))
+    assert torch.equal(all_t, full) and 0 < int(all_t.sum()) < int(any_t.sum()) < nb * nb
+    q, k, v = (torch.randn(1, h, t, 16, generator=g) for h in (4, 2, 2))
     with pytest.warns(UserWarning):  # flex without torch.compile off CUDA (the dense reference)
         out, _ = flex_attention_forward(None, q, k, v, block_mask_for(pb), scaling=0.25)
-    assert block_mask_for(pb) is block_mask_for(pb)  # built once per row
+    bm = block_mask_for(pb)
+    assert bm is block_mask_for(pb)  # built once per row
+    assert torch.equal(bm.to_dense()[0, 0].bool(), any_t)  # the kv-block lists say what the tiles say
+    assert bm.full_kv_num_blocks[0, 0].tolist() == full.sum(-1).tolist()
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=pb.attention_mask("sdpa"), scale=0.25, enable_gqa=True)
     real = pb.segment_ids[0] >= 0
-    assert torch.allclose(out[0][real], ref.transpose(1, 2)[0][real], atol=1e-6)
+    assert torch.allclose(out[0][real], ref.transpose(1, 2)[0][real], atol=1e-5)
     with pytest.raises(ValueError, match="BlockMask"):
         flex_attention_forward(None, q, k, v, None)
 
