@@ -198,6 +198,7 @@ def make_learner(model: str, zero: int, attn: str, path: str, mb_tokens: int, lr
     from launch.config import LearnerConfig, ModelConfig
 
     info = {}
+    extra.setdefault("share_prompt", False)  # today's unshared paths (bench/h200_prefix.py measures sharing)
     # "varlen": the Learner's own attention (actors/attention.py), asked for by name so the CPU smoke
     # runs it too; on a GPU without flash_attn the Learner picks it for "sdpa" by itself, so the
     # dense-mask sdpa row is forced with "sdpa_dense" below.

@@ -45,7 +45,8 @@ def _bird_base(name: str, model: str) -> RunConfig:
     return RunConfig(
         name=name,
         data=DataConfig(bird_dir="", max_prompt_tokens=8192, sample_values=3, eval_size=0),
-        # sdpa: on CUDA without flash-attn the learner selects its varlen path (actors/attention.py)
+        # sdpa: on CUDA the learner picks FlexAttention for its shared-prompt rows (learner.share_prompt,
+        # actors/attention_flex.py); with learner.share_prompt=false, its varlen path (actors/attention.py)
         model=ModelConfig(path=model, dtype="bfloat16", attn_implementation="sdpa"),
         generator=GeneratorConfig(engine="vllm", n_samples=16, temperature=1.0, top_p=1.0, max_tokens=4096,
                                   gpu_memory_utilization=0.5, enable_prefix_caching=True, sleep_level=2,

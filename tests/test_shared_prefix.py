@@ -163,9 +163,10 @@ def test_config_derives_the_assembler_flag_and_refuses_incompatible_attention():
     from launch.config import apply_overrides
     from launch.recipes import tiny
 
-    cfg = apply_overrides(tiny(), ["learner.share_prompt=true"])
+    cfg = apply_overrides(tiny(), [])  # on by default
     assert cfg.learner.share_prompt and cfg.assembler.share_prompt
-    assert not apply_overrides(tiny(), []).assembler.share_prompt
+    assert not apply_overrides(tiny(), ["learner.share_prompt=false"]).assembler.share_prompt
+    assert apply_overrides(tiny(), ["learner.share_prompt=false", "model.attn_implementation=varlen"])
     with pytest.raises(ConfigError, match=r"^config key 'model.attn_implementation': 'varlen' cannot express"):
         apply_overrides(tiny(), ["learner.share_prompt=true", "model.attn_implementation=varlen"])
     with pytest.raises(ConfigError, match=r"^config key 'assembler.share_prompt': set learner.share_prompt"):
