@@ -1,7 +1,10 @@
 """Packed-row attention for the learner: causal attention inside each sample of one packed row.
 
 A packed micro-batch is one row [1, T] holding whole samples back to back (policies/packing.py).
-Attention must not cross sample boundaries. The implementations, in order of preference:
+Attention must not cross sample boundaries. With learner.share_prompt (the default) a row holds each
+group's prompt once and its responses after it (policies/prefix.py): only "prefix_flex"
+(actors/attention_flex.py, CUDA) and the dense mask below express that, and
+`select_attn_implementation` picks them. Without it, the implementations in order of preference:
 
 - flash_attention_2/3 (transformers' own, needs the flash_attn package): varlen from position_ids.
 - "varlen" (this module): torch's `torch.nn.attention.varlen.varlen_attn` (torch >= 2.11, a Flash
