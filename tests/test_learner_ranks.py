@@ -91,8 +91,6 @@ def ranks_vs_one(model_dir, tmp_path_factory):
     batch; their metrics and exported weights. The ZeRO-1 group also saves a checkpoint."""
     import asyncio
 
-    import ray
-
     from actors.learner import Learner
     from actors.learner_group import LearnerGroup
     from queues.messages import TrainBatch, codec
