@@ -32,7 +32,7 @@ from launch.config import AssemblerConfig
 from policies.grpo import group_advantages
 from policies.packing import plan_micro_batches, split_minibatches
 from policies.prefix import plan_group_micro_batches
-from queues.messages import ScoredGroup, TrainBatch, TrainGroup, codec, oldest_version, sample_versions, unpack_ids
+from queues.messages import ScoredGroup, TrainBatch, TrainGroup, codec, oldest_version, sample_versions
 
 log = structlog.get_logger("arctic_rl.assembler")
 

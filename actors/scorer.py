@@ -27,7 +27,7 @@ import msgspec
 import structlog
 
 from launch.config import ScorerConfig
-from policies.sql_reward import BAD_DB_PATH, GENERATION_ERROR, GOLD_FAILED, reward_for
+from policies.sql_reward import BAD_DB_PATH, GENERATION_ERROR, reward_for
 from queues.messages import RolloutGroup, SchemaError, ScoredGroup, codec
 from tasks.sandbox import GoldCache, SqlPool, score_group
 

@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import json
 import pickle
-import statistics
 import tempfile
 import time
 

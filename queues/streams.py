@@ -15,7 +15,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from typing import Awaitable, Callable, TypeVar
 

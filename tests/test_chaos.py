@@ -7,8 +7,6 @@ The full 20+ kill figures are in docs/RELIABILITY.md.
 """
 from __future__ import annotations
 
-import pytest
-
 from bench.chaos import phase_resume, phase_workers
 
 

@@ -1,6 +1,5 @@
 """TransformersEngine on a real tiny Qwen3: log-probs, per-prompt early return, weights, sleep/wake, bad tasks."""
 import asyncio
-import time
 
 import pytest
 import torch

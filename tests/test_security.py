@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import redis
 
 from queues.redis_server import EmbeddedRedis
