@@ -39,6 +39,9 @@ class DataConfig(_Section):
     synthetic_databases: int = 4
     synthetic_questions: int = 400
     synthetic_seed: int = 0
+    synthetic_templates: list[int] = []  # tasks.synthetic.TEMPLATES indices to draw from ([]: all)
+    # >0: the dev split is asked on this many databases of its own (held out: never trained on)
+    synthetic_held_out_databases: int = 0
     max_prompt_tokens: int = 4096  # prompts over this budget are dropped at load time (counted)
     sample_values: int = 3  # sample values per column shown in the schema
     eval_size: int = 64  # held-out prompts per periodic eval (0: the whole eval split)
@@ -64,6 +67,10 @@ class ModelConfig(_Section):
     tiny_vocab_size: int = 512
     tiny_sft_steps: int = 0  # supervised warm-start on gold SQL before RL (tiny only)
     tiny_sft_lr: float = 3e-3
+    tiny_sft_batch: int = 16  # pairs per warm-start step
+    # Share of warm-start targets replaced by their template's slip (tasks.synthetic.SLIPS), drawn anew
+    # each time a pair is drawn: the warm policy then samples the gold answer only part of the time
+    tiny_sft_slip: float = 0.0
 
 
 class GeneratorConfig(_Section):

@@ -75,7 +75,9 @@ def prepare_model_and_data(cfg: RunConfig, run_dir: Path, log) -> tuple[str, str
         if not (Path(bird_dir) / "train.json").exists():
             log.info("building synthetic task", dir=bird_dir, databases=cfg.data.synthetic_databases,
                      questions=cfg.data.synthetic_questions)
-            write_dataset(bird_dir, cfg.data.synthetic_databases, cfg.data.synthetic_questions, cfg.data.synthetic_seed)
+            write_dataset(bird_dir, cfg.data.synthetic_databases, cfg.data.synthetic_questions, cfg.data.synthetic_seed,
+                          templates=cfg.data.synthetic_templates or None,
+                          held_out_databases=cfg.data.synthetic_held_out_databases)
     model_path = cfg.model.path
     if cfg.model.source == "tiny":
         from tasks.synthetic import texts_for_tokenizer

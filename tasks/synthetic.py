@@ -7,6 +7,10 @@ Invariants:
   <split>.json, <split>_databases/<db_id>/<db_id>.sqlite, .../database_description/<table>.csv.
 - Every gold query runs and is phrased from a small set of templates whose slots are filled with
   values that exist in the database, so a tiny model can learn the mapping.
+- Every template has a slip (SLIPS): SQL that runs and returns other rows than the gold query; the
+  slip of a gold query is recovered from its text alone (`slipped`).
+- With held-out databases, no dev question text (with its evidence) is ever a train question's, and
+  dev questions are asked on databases train never uses.
 
 Every domain has the same shape (an entity table, an item table, and a fact table linking them
 with a quantity and a date), so one template set serves all of them with domain words swapped in.
@@ -17,7 +21,9 @@ import csv
 import json
 import os
 import random
+import re
 import shutil
+import string
 import sqlite3
 from pathlib import Path
 from typing import Iterator
@@ -32,37 +38,37 @@ _LAST = ["Abbott", "Brooks", "Castro", "Diaz", "Evans", "Fischer", "Garcia", "Ha
 DOMAINS = [
     dict(domain="retail",
          entity="customers", entity_one="customer", e_id="customer_id", place="city", place_word="city",
-         places=["Oslo", "Lima", "Pune", "Kyoto", "Austin", "Porto", "Cairo", "Quito"],
+         places=["Oslo", "Lima", "Pune", "Kyoto", "Austin", "Porto", "Cairo", "Quito", "Riga", "Accra", "Hanoi", "Bonn"],
          year="signup_year", year_phrase="signed up", years=(2015, 2024), place_verb="live in",
          item="products", item_one="product", i_id="product_id", cat="category", cat_word="category",
-         cats=["Books", "Garden", "Toys", "Kitchen", "Sports", "Music"],
+         cats=["Books", "Garden", "Toys", "Kitchen", "Sports", "Music", "Games", "Tools"],
          num="price", num_word="price", num_range=(2, 400), item_words=["Lamp", "Kettle", "Ball", "Novel", "Rake", "Drum", "Puzzle", "Pan", "Racket", "Vase"],
          fact="orders", fact_one="order", f_id="order_id", qty="quantity", qty_word="quantity ordered",
          date="order_date", fact_verb="ordered"),
     dict(domain="school",
          entity="students", entity_one="student", e_id="student_id", place="hometown", place_word="hometown",
-         places=["Bergen", "Leeds", "Graz", "Turin", "Dayton", "Nantes", "Hobart", "Malmo"],
+         places=["Bergen", "Leeds", "Graz", "Turin", "Dayton", "Nantes", "Hobart", "Malmo", "Ghent", "Delft", "Tromso", "Split"],
          year="enrollment_year", year_phrase="enrolled", years=(2016, 2024), place_verb="come from",
          item="courses", item_one="course", i_id="course_id", cat="department", cat_word="department",
-         cats=["Physics", "History", "Biology", "Art", "Economics", "Math"],
+         cats=["Physics", "History", "Biology", "Art", "Economics", "Math", "Music", "Law"],
          num="credits", num_word="credits", num_range=(1, 10), item_words=["Optics", "Genetics", "Painting", "Algebra", "Trade", "Empires", "Ecology", "Logic", "Sculpture", "Markets"],
          fact="enrollments", fact_one="enrollment", f_id="enrollment_id", qty="score", qty_word="score",
          date="term_start", fact_verb="took"),
     dict(domain="library",
          entity="members", entity_one="member", e_id="member_id", place="district", place_word="district",
-         places=["Northgate", "Riverside", "Oldtown", "Hillcrest", "Harbor", "Westfield", "Elmwood"],
+         places=["Northgate", "Riverside", "Oldtown", "Hillcrest", "Harbor", "Westfield", "Elmwood", "Bayview", "Fairmont", "Redhill", "Lakeside", "Southend"],
          year="join_year", year_phrase="joined", years=(2010, 2024), place_verb="live in",
          item="books", item_one="book", i_id="book_id", cat="genre", cat_word="genre",
-         cats=["Mystery", "Poetry", "Science", "Fantasy", "Travel", "Cooking"],
+         cats=["Mystery", "Poetry", "Science", "Fantasy", "Travel", "Cooking", "Drama", "Crafts"],
          num="pages", num_word="page count", num_range=(80, 900), item_words=["Atlas", "Saga", "Diary", "Guide", "Almanac", "Chronicle", "Primer", "Ballads", "Letters", "Tales"],
          fact="loans", fact_one="loan", f_id="loan_id", qty="days", qty_word="loan days",
          date="loan_date", fact_verb="borrowed"),
     dict(domain="clinic",
          entity="patients", entity_one="patient", e_id="patient_id", place="city", place_word="city",
-         places=["Dublin", "Perth", "Lyon", "Basel", "Denver", "Seville", "Tampere", "Cork"],
+         places=["Dublin", "Perth", "Lyon", "Basel", "Denver", "Seville", "Tampere", "Cork", "Bilbao", "Aarhus", "Graz", "Nice"],
          year="birth_year", year_phrase="were born", years=(1950, 2015), place_verb="live in",
          item="treatments", item_one="treatment", i_id="treatment_id", cat="specialty", cat_word="specialty",
-         cats=["Cardiology", "Dermatology", "Neurology", "Oncology", "Pediatrics", "Radiology"],
+         cats=["Cardiology", "Dermatology", "Neurology", "Oncology", "Pediatrics", "Radiology", "Urology", "Surgery"],
          num="cost", num_word="cost", num_range=(50, 5000), item_words=["Scan", "Therapy", "Screening", "Biopsy", "Infusion", "Checkup", "Imaging", "Consult", "Graft", "Panel"],
          fact="visits", fact_one="visit", f_id="visit_id", qty="duration", qty_word="visit minutes",
          date="visit_date", fact_verb="received"),
@@ -113,7 +119,71 @@ TEMPLATES = [
      "in {v_fyear} refers to strftime('%Y', {date}) = '{v_fyear}'; highest total {qty_word} refers to MAX(SUM({qty}))"),
 ]
 
+# A systematic slip per template (same index): SQL that runs but answers another question (a wrong
+# operator, column, aggregate or order), as a careless annotator writes it. The tiny recipe's warm start
+# learns from targets that are sometimes slipped (launch/warm_start.py), so its policy samples the right
+# answer only part of the time: reward RL can find.
+SLIPS = [
+    "SELECT COUNT(*) FROM {entity} WHERE {place} != '{v_place}'",
+    "SELECT {i_id} FROM {item} WHERE {cat} = '{v_cat}'",
+    "SELECT {i_id} FROM {item} WHERE name = '{v_item}'",
+    "SELECT COUNT(*) FROM {entity} WHERE {year} >= {v_year}",
+    "SELECT COUNT(DISTINCT T1.{e_id}) FROM {fact} AS T1 INNER JOIN {entity} AS T2 ON T1.{e_id} = T2.{e_id} "
+    "WHERE T2.{place} = '{v_place}'",
+    "SELECT SUM({num}) FROM {item} WHERE {cat} = '{v_cat}'",
+    "SELECT {place} FROM {entity} GROUP BY {place} ORDER BY COUNT(*) ASC LIMIT 1",
+    "SELECT DISTINCT T3.name FROM {fact} AS T1 INNER JOIN {entity} AS T2 ON T1.{e_id} = T2.{e_id} "
+    "INNER JOIN {item} AS T3 ON T1.{i_id} = T3.{i_id} WHERE T3.name = '{v_item}'",
+    "SELECT {cat} FROM {item} GROUP BY {cat} HAVING COUNT(*) < {v_n}",
+    "SELECT AVG(T1.{qty}) FROM {fact} AS T1 INNER JOIN {entity} AS T2 ON T1.{e_id} = T2.{e_id} "
+    "INNER JOIN {item} AS T3 ON T1.{i_id} = T3.{i_id} WHERE T3.{cat} = '{v_cat}' AND T2.{place} = '{v_place}'",
+    "SELECT T2.name FROM {fact} AS T1 INNER JOIN {entity} AS T2 ON T1.{e_id} = T2.{e_id} "
+    "GROUP BY T1.{e_id} ORDER BY SUM(T1.{qty}) ASC LIMIT {v_k}",
+    "SELECT T2.name FROM {fact} AS T1 INNER JOIN {item} AS T2 ON T1.{i_id} = T2.{i_id} "
+    "WHERE strftime('%Y', T1.{date}) = '{v_fyear}' GROUP BY T1.{i_id} ORDER BY SUM(T1.{qty}) ASC LIMIT 1",
+]
+assert len(SLIPS) == len(TEMPLATES)
+
+# The tiny recipe's templates: those whose gold SQL fits its 48-token answers (the three-table joins
+# and the top-k query need 60-83 tokens of the tiny tokenizer) and whose value is one short word
+# (a 2-layer model does not learn to copy the two-word item names in minutes).
+TINY_TEMPLATES = (0, 1, 3, 4, 5, 6, 8)
+
 _FACT_YEARS = (2019, 2024)
+
+
+def _pattern(sql_template: str) -> re.Pattern:
+    """A template's SQL as a regex: every {slot} a named group (a repeated slot must repeat its value)."""
+    out, seen = [], set()
+    for literal, name, _, _ in string.Formatter().parse(sql_template):
+        out.append(re.escape(literal))
+        if name is not None:
+            group = ".+?" if name.startswith("v_") else r"\w+"  # values vs domain words (identifiers)
+            out.append(f"(?P={name})" if name in seen else f"(?P<{name}>{group})")
+            seen.add(name)
+    return re.compile("".join(out) + r"\Z")
+
+
+_PATTERNS = [_pattern(t[2]) for t in TEMPLATES]
+
+
+def template_of(sql: str) -> int | None:
+    """The index of the template a gold query was written from, or None."""
+    for i, pattern in enumerate(_PATTERNS):
+        if pattern.match(sql):
+            return i
+    return None
+
+
+def slipped(sql: str) -> str | None:
+    """The template's slip (SLIPS) with the gold query's own slot values and domain words, or None for
+    SQL of no template."""
+    i = template_of(sql)
+    if i is None:
+        return None
+    slots = _PATTERNS[i].match(sql).groupdict()
+    domain = next(d for d in DOMAINS if all(d[k] == v for k, v in slots.items() if k in d))
+    return SLIPS[i].format(**{**domain, **slots})
 
 
 def _domain_for(index: int) -> tuple[str, dict]:
@@ -210,35 +280,71 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def write_dataset(out_dir, num_databases: int = 4, num_questions: int = 400, seed: int = 0,
-                  dev_fraction: float = 0.2, scale: int = 1) -> Path:
-    """Writes train.json, dev.json and both splits' databases under out_dir; returns out_dir."""
-    if num_databases < 1 or num_questions < 2 or not 0 < dev_fraction < 1 or scale < 1:
-        raise ValueError(f"write_dataset: need num_databases>=1, num_questions>=2, 0<dev_fraction<1, scale>=1 "
-                         f"(got {num_databases}, {num_questions}, {dev_fraction}, {scale})")
+                  dev_fraction: float = 0.2, scale: int = 1, templates: tuple[int, ...] | None = None,
+                  held_out_databases: int = 0) -> Path:
+    """Writes train.json, dev.json and both splits' databases under out_dir; returns out_dir.
+
+    `templates`: the TEMPLATES indices questions are drawn from (None: all). With
+    `held_out_databases` = 0 the dev split is a random share of questions on the same databases as
+    train; with h > 0 it is asked on h further databases of its own (new instances of the train
+    domains: the same schema words, other rows, other db_ids), and every question text is assigned to
+    one split by a seeded coin per domain, so no dev question is ever asked in train."""
+    if num_databases < 1 or num_questions < 2 or not 0 < dev_fraction < 1 or scale < 1 or held_out_databases < 0:
+        raise ValueError(f"write_dataset: need num_databases>=1, num_questions>=2, 0<dev_fraction<1, scale>=1, "
+                         f"held_out_databases>=0 (got {num_databases}, {num_questions}, {dev_fraction}, {scale}, "
+                         f"{held_out_databases})")
+    pool = tuple(range(len(TEMPLATES))) if templates is None else tuple(templates)
+    if not pool or not all(0 <= t < len(TEMPLATES) for t in pool):
+        raise ValueError(f"write_dataset: templates must be indices into TEMPLATES (0..{len(TEMPLATES) - 1}), "
+                         f"got {pool}")
     out = Path(out_dir)
     build = out / "_build"
     build.mkdir(parents=True, exist_ok=True)
-    dbs = []
-    for i in range(num_databases):
-        db_id, d = _domain_for(i)
+
+    def database(domain_index: int) -> tuple:
+        db_id, d = _domain_for(domain_index)
         path = build / f"{db_id}.sqlite"
-        values = _build_database(path, d, random.Random(f"{seed}:{i}"), scale)
-        dbs.append((db_id, d, path, values))
+        return db_id, d, path, _build_database(path, d, random.Random(f"{seed}:{domain_index}"), scale)
+
+    dbs = [database(i) for i in range(num_databases)]
+    # Held-out database j: domain j % num_databases, a later instance (retail_2, school_2, ...).
+    held = [database(len(DOMAINS) * (1 + j // num_databases) + j % num_databases) for j in range(held_out_databases)]
     rng = random.Random(f"{seed}:questions")
-    questions = []
-    for k in range(num_questions):
-        db_id, d, _, values = dbs[k % len(dbs)]
-        q = _question(TEMPLATES[rng.randrange(len(TEMPLATES))], d, values, rng)
+
+    def draw(on: list, k: int) -> dict:
+        db_id, d, _, values = on[k % len(on)]
+        q = _question(TEMPLATES[pool[rng.randrange(len(pool))]], d, values, rng)
         q["db_id"] = db_id
-        questions.append(q)
-    rng.shuffle(questions)
+        return q
+
     n_dev = max(1, round(num_questions * dev_fraction))
-    splits = {"dev": questions[:n_dev], "train": questions[n_dev:]}
-    for split, qs in splits.items():
+    if not held:
+        questions = [draw(dbs, k) for k in range(num_questions)]
+        rng.shuffle(questions)
+        splits = {"dev": (questions[:n_dev], dbs), "train": (questions[n_dev:], dbs)}
+    else:
+        # Each question text (per domain) is dev's or train's by a seeded coin, so no dev question is
+        # ever a train question, whatever the number of questions.
+        def is_dev(q: dict, d: dict) -> bool:
+            return random.Random(f"{seed}:split:{d['domain']}:{q['question']}:{q['evidence']}").random() < dev_fraction
+
+        def draw_where(on: list, n: int, dev_side: bool) -> list[dict]:
+            got: list[dict] = []
+            for k in range(200 * n):
+                if len(got) == n:
+                    break
+                q = draw(on, k)
+                if is_dev(q, on[k % len(on)][1]) == dev_side:
+                    got.append(q)
+            return got
+
+        train, dev = draw_where(dbs, num_questions - n_dev, False), draw_where(held, n_dev, True)
+        splits = {"dev": (dev, held), "train": (train, dbs)}
+    for split, (qs, split_dbs) in splits.items():
         rows = [{"question_id": i, "db_id": q["db_id"], "question": q["question"], "evidence": q["evidence"],
                  "SQL": q["SQL"], "difficulty": q["difficulty"]} for i, q in enumerate(qs)]
         (out / f"{split}.json").write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
-        for db_id, d, path, _ in dbs:
+        for db_id, d, path, _ in split_dbs:
             db_dir = out / f"{split}_databases" / db_id
             db_dir.mkdir(parents=True, exist_ok=True)
             _link_or_copy(path, db_dir / f"{db_id}.sqlite")
@@ -247,14 +353,15 @@ def write_dataset(out_dir, num_databases: int = 4, num_questions: int = 400, see
     return out
 
 
-def texts_for_tokenizer(out_dir) -> Iterator[str]:
-    """Questions, evidence, gold SQL and schema text of a written dataset (tokenizer training)."""
+def texts_for_tokenizer(out_dir, splits: tuple[str, ...] = ("train",)) -> Iterator[str]:
+    """Questions, evidence, gold SQL and schema text of a written dataset's `splits` (tokenizer
+    training; the train split alone by default, so nothing of the held-out questions shapes it)."""
     from policies.prompt import schema_compact, schema_ddl
     from tasks.bird import load_split, read_schema
 
     out = Path(out_dir)
     seen_dbs: set[str] = set()
-    for split in ("train", "dev"):
+    for split in splits:
         if not (out / f"{split}.json").exists():
             continue
         for q in load_split(out, split):
