@@ -1,4 +1,5 @@
-"""python -m launch.report RUN_DIR [--out FILE.png]: one PNG of a run's metrics.jsonl.
+"""python -m launch.report RUN_DIR [RUN_DIR ...] [--out FILE.png]: one PNG of a run's metrics.jsonl,
+or, given several runs (e.g. seeds of one recipe), one PNG comparing them.
 
 Panels (each drawn only when at least one of its keys has a value; a step missing a key is a gap):
     reward          eval_reward_mean (held-out, sampled: the README's headline), reward_mean (training,
@@ -6,6 +7,10 @@ Panels (each drawn only when at least one of its keys has a value; a step missin
     accuracy        eval_accuracy (held-out, greedy), accuracy (training samples)
     response length response_len_mean
     stage timings   every key starting with "time_" (seconds per step, one line each)
+Several runs: three panels side by side, held-out reward (sampled), held-out accuracy (greedy) and
+training reward (mean of the last SMOOTH steps), one colour per run, labelled by the run's seed when
+the runs' configs differ in it (else by directory name); written to --out (default compare.png in the
+current directory).
 Rows are {"step": int, "time": float, ...scalars}; null values (NaN when logged) are skipped. Rows of
 step < 0 are the evaluation before training and are drawn at step 0. Every series has its own colour
 across the whole figure; legends sit outside the plots. The title counts training steps (distinct
@@ -132,13 +137,63 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     return out_path
 
 
+def _seed_of(run_dir: Path):
+    try:
+        return json.loads((run_dir / "config.json").read_text()).get("seed")
+    except (OSError, ValueError):
+        return None
+
+
+def _label(run_dir: Path, seeds: set) -> str:
+    return f"seed {_seed_of(run_dir)}" if len(seeds) > 1 else run_dir.name
+
+
+def write_comparison(run_dirs: list, out: str | Path | None = None) -> Path:
+    """One figure of several runs: held-out reward, held-out greedy accuracy, training reward."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dirs = [Path(d) for d in run_dirs]
+    runs = [(d, load_rows(d / "metrics.jsonl")) for d in dirs]
+    seeds = {_seed_of(d) for d in dirs}
+    keys = [("eval_reward_mean", "held-out reward (sampled)"), ("eval_accuracy", "held-out accuracy (greedy)"),
+            ("reward_mean", f"training reward (mean of last {SMOOTH})")]
+    if not any(series(rows, k)[0] for _, rows in runs for k, _ in keys):
+        raise ReportError("none of the runs has eval_reward_mean, eval_accuracy or reward_mean")
+    out_path = Path(out) if out else Path("compare.png")
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), sharey=True, squeeze=False)
+    colours = plt.get_cmap("tab10").colors
+    for ax, (key, title) in zip(axes[0], keys):
+        for i, (d, rows) in enumerate(runs):
+            steps, values = series(rows, key)
+            if key == "reward_mean":
+                values = smoothed(values)
+            ax.plot(steps, values, color=colours[i % len(colours)], marker="o" if len(steps) < 30 else None,
+                    markersize=3, label=_label(d, seeds))
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0, 0].set_ylim(0, 1)
+    axes[0, 0].legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, format="png", dpi=100)
+    plt.close(fig)
+    return out_path
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m launch.report", description="Plot a run's metrics.jsonl to a PNG.")
-    p.add_argument("run_dir", help="the run directory holding metrics.jsonl")
-    p.add_argument("--out", help="PNG path (default RUN_DIR/report.png)")
+    p.add_argument("run_dir", nargs="+", help="the run directory holding metrics.jsonl (several: compare them)")
+    p.add_argument("--out", help="PNG path (default RUN_DIR/report.png; compare.png for several runs)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        path = write_report(args.run_dir, args.out)
+        if len(args.run_dir) > 1:
+            path = write_comparison(args.run_dir, args.out)
+        else:
+            path = write_report(args.run_dir[0], args.out)
     except ReportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -87,3 +87,16 @@ def test_cli_module_runs(tmp_path):
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert Path(r.stdout.strip()).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_several_runs_make_one_comparison_labelled_by_seed(tmp_path, capsys):
+    for seed in (0, 1, 2):
+        write_metrics(tmp_path / f"s{seed}", [{"step": -1, "eval_reward_mean": 0.2, "eval_accuracy": 0.2}]
+                      + [dict(r, eval_reward_mean=0.3 + seed / 10) for r in synthetic_rows()])
+        (tmp_path / f"s{seed}" / "config.json").write_text(json.dumps({"seed": seed}))
+    out = tmp_path / "seeds.png"
+    assert main([str(tmp_path / f"s{seed}") for seed in (0, 1, 2)] + ["--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out) and out.read_bytes()[:8] == PNG_MAGIC
+    from launch.report import _label
+
+    assert _label(tmp_path / "s1", {0, 1, 2}) == "seed 1" and _label(tmp_path / "s1", {0}) == "s1"
