@@ -10,7 +10,6 @@ import contextlib
 import os
 import shutil
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -410,7 +409,6 @@ def _dashboard_url() -> str:
     try:
         import ray
 
-        ctx = ray.get_runtime_context()
         url = getattr(ray, "_private").worker.get_dashboard_url() if hasattr(ray, "_private") else ""
         return f"http://{url}" if url and not url.startswith("http") else (url or "n/a")
     except Exception:  # noqa: BLE001
