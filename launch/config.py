@@ -42,6 +42,7 @@ class DataConfig(_Section):
     synthetic_templates: list[int] = []  # tasks.synthetic.TEMPLATES indices to draw from ([]: all)
     # >0: the dev split is asked on this many databases of its own (held out: never trained on)
     synthetic_held_out_databases: int = 0
+    synthetic_dev_fraction: float = 0.2  # share of questions (of question texts, when held out) for dev
     max_prompt_tokens: int = 4096  # prompts over this budget are dropped at load time (counted)
     sample_values: int = 3  # sample values per column shown in the schema
     eval_size: int = 64  # held-out prompts per periodic eval (0: the whole eval split)

@@ -28,12 +28,12 @@ def tiny() -> RunConfig:
     column, aggregate or order), so the warm policy mostly answers with the slip and samples the gold
     query only some of the time; GRPO then finds the reward the slips leave. Held-out prompts are
     asked on three databases of their own, and none of their texts is a training question.
-    ~7.5 minutes on 2 cores (docs/perf/tiny.md)."""
+    ~3.5 minutes on 2 cores (docs/perf/tiny.md)."""
     return RunConfig(
         name="tiny",
         data=DataConfig(synthetic=True, synthetic_databases=3, synthetic_questions=1200, max_prompt_tokens=256,
                         synthetic_templates=list(TINY_TEMPLATES), synthetic_held_out_databases=3,
-                        eval_size=96, eval_samples=4, sample_values=0),
+                        synthetic_dev_fraction=0.4, eval_size=0, eval_samples=4, sample_values=0),
         model=ModelConfig(source="tiny", dtype="float32", tiny_hidden_size=128, tiny_layers=2, tiny_heads=4,
                           tiny_kv_heads=2, tiny_intermediate_size=256, tiny_vocab_size=2048, tiny_sft_steps=300,
                           tiny_sft_lr=3e-3, tiny_sft_slip=0.6),

@@ -75,7 +75,7 @@ def prepare_model_and_data(cfg: RunConfig, run_dir: Path, log) -> tuple[str, str
             log.info("building synthetic task", dir=bird_dir, databases=cfg.data.synthetic_databases,
                      questions=cfg.data.synthetic_questions)
             write_dataset(bird_dir, cfg.data.synthetic_databases, cfg.data.synthetic_questions, cfg.data.synthetic_seed,
-                          templates=cfg.data.synthetic_templates or None,
+                          dev_fraction=cfg.data.synthetic_dev_fraction, templates=cfg.data.synthetic_templates or None,
                           held_out_databases=cfg.data.synthetic_held_out_databases)
     model_path = cfg.model.path
     if cfg.model.source == "tiny":

@@ -38,7 +38,7 @@ _LAST = ["Abbott", "Brooks", "Castro", "Diaz", "Evans", "Fischer", "Garcia", "Ha
 DOMAINS = [
     dict(domain="retail",
          entity="customers", entity_one="customer", e_id="customer_id", place="city", place_word="city",
-         places=["Oslo", "Lima", "Pune", "Kyoto", "Austin", "Porto", "Cairo", "Quito", "Riga", "Accra", "Hanoi", "Bonn"],
+         places=["Oslo", "Lima", "Pune", "Kyoto", "Austin", "Porto", "Cairo", "Quito", "Riga", "Accra", "Hanoi", "Bonn", "Dakar", "Perth", "Oaxaca", "Tunis"],
          year="signup_year", year_phrase="signed up", years=(2015, 2024), place_verb="live in",
          item="products", item_one="product", i_id="product_id", cat="category", cat_word="category",
          cats=["Books", "Garden", "Toys", "Kitchen", "Sports", "Music", "Games", "Tools"],
@@ -47,7 +47,7 @@ DOMAINS = [
          date="order_date", fact_verb="ordered"),
     dict(domain="school",
          entity="students", entity_one="student", e_id="student_id", place="hometown", place_word="hometown",
-         places=["Bergen", "Leeds", "Graz", "Turin", "Dayton", "Nantes", "Hobart", "Malmo", "Ghent", "Delft", "Tromso", "Split"],
+         places=["Bergen", "Leeds", "Graz", "Turin", "Dayton", "Nantes", "Hobart", "Malmo", "Ghent", "Delft", "Tromso", "Split", "Aalborg", "Bruges", "Cusco", "Padua"],
          year="enrollment_year", year_phrase="enrolled", years=(2016, 2024), place_verb="come from",
          item="courses", item_one="course", i_id="course_id", cat="department", cat_word="department",
          cats=["Physics", "History", "Biology", "Art", "Economics", "Math", "Music", "Law"],
@@ -56,7 +56,7 @@ DOMAINS = [
          date="term_start", fact_verb="took"),
     dict(domain="library",
          entity="members", entity_one="member", e_id="member_id", place="district", place_word="district",
-         places=["Northgate", "Riverside", "Oldtown", "Hillcrest", "Harbor", "Westfield", "Elmwood", "Bayview", "Fairmont", "Redhill", "Lakeside", "Southend"],
+         places=["Northgate", "Riverside", "Oldtown", "Hillcrest", "Harbor", "Westfield", "Elmwood", "Bayview", "Fairmont", "Redhill", "Lakeside", "Southend", "Greenway", "Millbrook", "Ashford", "Kingsley"],
          year="join_year", year_phrase="joined", years=(2010, 2024), place_verb="live in",
          item="books", item_one="book", i_id="book_id", cat="genre", cat_word="genre",
          cats=["Mystery", "Poetry", "Science", "Fantasy", "Travel", "Cooking", "Drama", "Crafts"],
@@ -65,7 +65,7 @@ DOMAINS = [
          date="loan_date", fact_verb="borrowed"),
     dict(domain="clinic",
          entity="patients", entity_one="patient", e_id="patient_id", place="city", place_word="city",
-         places=["Dublin", "Perth", "Lyon", "Basel", "Denver", "Seville", "Tampere", "Cork", "Bilbao", "Aarhus", "Graz", "Nice"],
+         places=["Dublin", "Perth", "Lyon", "Basel", "Denver", "Seville", "Tampere", "Cork", "Bilbao", "Aarhus", "Graz", "Nice", "Malaga", "Bremen", "Leiden", "Bergamo"],
          year="birth_year", year_phrase="were born", years=(1950, 2015), place_verb="live in",
          item="treatments", item_one="treatment", i_id="treatment_id", cat="specialty", cat_word="specialty",
          cats=["Cardiology", "Dermatology", "Neurology", "Oncology", "Pediatrics", "Radiology", "Urology", "Surgery"],
@@ -135,8 +135,8 @@ SLIPS = [
     "SELECT DISTINCT T3.name FROM {fact} AS T1 INNER JOIN {entity} AS T2 ON T1.{e_id} = T2.{e_id} "
     "INNER JOIN {item} AS T3 ON T1.{i_id} = T3.{i_id} WHERE T3.name = '{v_item}'",
     "SELECT {cat} FROM {item} GROUP BY {cat} HAVING COUNT(*) < {v_n}",
-    "SELECT AVG(T1.{qty}) FROM {fact} AS T1 INNER JOIN {entity} AS T2 ON T1.{e_id} = T2.{e_id} "
-    "INNER JOIN {item} AS T3 ON T1.{i_id} = T3.{i_id} WHERE T3.{cat} = '{v_cat}' AND T2.{place} = '{v_place}'",
+    "SELECT SUM(T1.{qty}) FROM {fact} AS T1 INNER JOIN {entity} AS T2 ON T1.{e_id} = T2.{e_id} "
+    "INNER JOIN {item} AS T3 ON T1.{i_id} = T3.{i_id} WHERE T3.{cat} != '{v_cat}' AND T2.{place} = '{v_place}'",
     "SELECT T2.name FROM {fact} AS T1 INNER JOIN {entity} AS T2 ON T1.{e_id} = T2.{e_id} "
     "GROUP BY T1.{e_id} ORDER BY SUM(T1.{qty}) ASC LIMIT {v_k}",
     "SELECT T2.name FROM {fact} AS T1 INNER JOIN {item} AS T2 ON T1.{i_id} = T2.{i_id} "
@@ -230,7 +230,8 @@ def _build_database(path: Path, d: dict, rng: random.Random, scale: int) -> dict
     conn.commit()
     conn.close()
     return {"places": sorted({e[2] for e in entities}), "cats": sorted({it[2] for it in items}),
-            "items": [it[1] for it in items], "years": sorted({e[3] for e in entities})}
+            "items": [it[1] for it in items], "years": sorted({e[3] for e in entities}),
+            "most_per_cat": max(sum(it[2] == c for it in items) for c in d["cats"])}
 
 
 def _write_descriptions(db_dir: Path, d: dict) -> None:
@@ -265,7 +266,7 @@ def _question(template, d: dict, values: dict, rng: random.Random) -> dict:
     slots = dict(d)
     slots.update(v_place=rng.choice(values["places"]), v_cat=rng.choice(values["cats"]),
                  v_item=rng.choice(values["items"]), v_year=rng.choice(values["years"][:-1] or values["years"]),
-                 v_n=rng.choice([5, 6, 7, 8]), v_k=rng.choice([3, 5]), v_fyear=rng.randint(*_FACT_YEARS))
+                 v_n=rng.choice([n for n in (5, 6, 7, 8) if n < values["most_per_cat"]] or [1]), v_k=rng.choice([3, 5]), v_fyear=rng.randint(*_FACT_YEARS))
     return {"db_id": "", "question": q.format(**slots), "evidence": evidence.format(**slots),
             "SQL": sql.format(**slots), "difficulty": difficulty}
 
@@ -329,12 +330,17 @@ def write_dataset(out_dir, num_databases: int = 4, num_questions: int = 400, see
             return random.Random(f"{seed}:split:{d['domain']}:{q['question']}:{q['evidence']}").random() < dev_fraction
 
         def draw_where(on: list, n: int, dev_side: bool) -> list[dict]:
+            """n questions of that side of the coin; dev's are distinct per database (a slot-free
+            question would otherwise pass the coin every time it is drawn and crowd out the rest)."""
             got: list[dict] = []
+            taken: set = set()
             for k in range(200 * n):
                 if len(got) == n:
                     break
                 q = draw(on, k)
-                if is_dev(q, on[k % len(on)][1]) == dev_side:
+                key = (q["db_id"], q["question"], q["evidence"])
+                if is_dev(q, on[k % len(on)][1]) == dev_side and not (dev_side and key in taken):
+                    taken.add(key)
                     got.append(q)
             return got
 

@@ -55,3 +55,8 @@ def test_questions_come_from_the_template_subset_only(tmp_path):
     assert {template_of(q["SQL"]) for s in ("train", "dev") for q in _rows(bird, s)} <= set(TINY_TEMPLATES)
     with pytest.raises(ValueError, match="templates"):
         write_dataset(tmp_path / "bad", 2, 60, templates=(99,))
+
+
+def test_held_out_questions_are_distinct_per_database(held_out_task):
+    dev = _rows(held_out_task, "dev")
+    assert len({(q["db_id"], q["question"], q["evidence"]) for q in dev}) == len(dev)
