@@ -218,7 +218,7 @@ class RunConfig(_Section):
     name: str = "run"
     run_id: str = ""  # "" -> "<name>-<timestamp>"; streams are keyed arl:<run_id>:<stage>
     run_root: str = "runs"
-    seed: int = 0
+    seed: int = 0  # the model's init and warm start; `seed=S` given as an override also sets data.synthetic_seed and generator.seed (unless they are given)
     data: DataConfig = msgspec.field(default_factory=DataConfig)
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     generator: GeneratorConfig = msgspec.field(default_factory=GeneratorConfig)
@@ -306,6 +306,11 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
                 elif not isinstance(value, list):
                     value = [value]
             node[part] = value
+    keys = {item.split("=", 1)[0].strip() for item in overrides}
+    if "seed" in keys:  # `seed=S` seeds the data and the sampling too, unless they are given themselves
+        for section, field in (("data", "synthetic_seed"), ("generator", "seed")):
+            if f"{section}.{field}" not in keys:
+                data[section][field] = data["seed"]
     return validate(data)
 
 

@@ -128,3 +128,12 @@ def test_a_coordinator_built_directly_resolves_weight_sync_auto():
     assert cfg.coordinator.weight_sync == "auto"
     c = Coordinator(cfg, "r", "/tmp/arl-unused", "redis://unused", [], [], generators=[], learner=None, assembler=None)
     assert c.cfg.coordinator.weight_sync == "object_store"
+
+
+def test_a_seed_override_seeds_the_data_and_the_sampling_unless_they_are_given():
+    cfg = apply_overrides(get_recipe("tiny"), ["seed=3"])
+    assert (cfg.seed, cfg.data.synthetic_seed, cfg.generator.seed) == (3, 3, 3)
+    cfg = apply_overrides(get_recipe("tiny"), ["generator.seed=9", "seed=3"])
+    assert (cfg.seed, cfg.data.synthetic_seed, cfg.generator.seed) == (3, 3, 9)
+    cfg = apply_overrides(get_recipe("tiny"), ["data.synthetic_seed=5"])
+    assert (cfg.seed, cfg.data.synthetic_seed, cfg.generator.seed) == (0, 5, 0)
