@@ -142,7 +142,9 @@ def test_bird_recipes_ask_for_an_attention_that_runs():
     for recipe in ("bird_1p7b", "bird_32b"):
         assert get_recipe(recipe).model.attn_implementation != "flash_attention_2"
         check_attention(get_recipe(recipe))
-    flash = cfg_for("bird_1p7b", "model.attn_implementation=flash_attention_2")
+    with pytest.raises(ConfigError, match="'model.attn_implementation': 'flash_attention_2' cannot express learner.share_prompt"):
+        cfg_for("bird_1p7b", "model.attn_implementation=flash_attention_2")  # shared prompts need flex or the dense mask
+    flash = cfg_for("bird_1p7b", "model.attn_implementation=flash_attention_2", "learner.share_prompt=false")
     if importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("flash-attn imports on this machine")
     with pytest.raises(ConfigError, match="'model.attn_implementation': flash_attention_2 needs the flash-attn"):
