@@ -262,6 +262,23 @@ def weight_check(learner, mdir: str) -> dict:
     return out
 
 
+def timed_step(learner, batch, i: int) -> tuple[float, dict]:
+    """(seconds, metrics) of one Learner.train_step, the device synchronised on both sides; logs one line."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    m = learner.train_step(batch)
+    if cuda:
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    log(f"  step {i}: {dt:.2f}s old_lp {m['old_logprob_s']:.2f}s micro_batches {m['micro_batches']:.0f} "
+        f"tokens {m['num_tokens']:.0f} loss {m.get('loss', float('nan')):.4f} grad_norm {m['grad_norm']:.3f}")
+    return dt, m
+
+
 def run_variant(spec: dict) -> dict:
     import torch
 
@@ -297,15 +314,7 @@ def run_variant(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
     times, olds, ms = [], [], []
     for i, b in enumerate(batches):
-        if cuda:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        m = learner.train_step(b)
-        if cuda:
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t
-        log(f"  step {i}: {dt:.2f}s old_lp {m['old_logprob_s']:.2f}s micro_batches {m['micro_batches']:.0f} "
-            f"tokens {m['num_tokens']:.0f} loss {m.get('loss', float('nan')):.4f} grad_norm {m['grad_norm']:.3f}")
+        dt, m = timed_step(learner, b, i)
         if i > 0:  # step 0 is warm-up
             times.append(dt)
             olds.append(m["old_logprob_s"])

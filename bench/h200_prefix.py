@@ -25,7 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.h200 import OUT, SMOKE, WORK, build_model_dir, log, make_groups, make_learner  # noqa: E402
+from bench.h200 import OUT, SMOKE, WORK, log, make_groups, make_learner, timed_step  # noqa: E402
 
 ATTN = {"unshared": "varlen", "unshared_flex": "prefix_flex", "shared": "sdpa"}  # sdpa + share -> flex on CUDA
 
@@ -108,15 +108,7 @@ def run_variant(spec: dict) -> dict:
         if i == warm and cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        if cuda:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        m = learner.train_step(b)
-        if cuda:
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t
-        log(f"  step {i}: {dt:.2f}s old_lp {m['old_logprob_s']:.2f}s micro_batches {m['micro_batches']:.0f} "
-            f"tokens {m['num_tokens']:.0f} loss {m.get('loss', float('nan')):.4f} grad_norm {m['grad_norm']:.3f}")
+        dt, m = timed_step(learner, b, i)
         if i >= warm:
             times.append(dt)
             ms.append(m)
