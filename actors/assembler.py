@@ -28,7 +28,7 @@ import numpy as np
 import structlog
 import torch
 
-from launch.config import AssemblerConfig
+from config import AssemblerConfig
 from policies.grpo import group_advantages
 from policies.packing import plan_micro_batches, split_minibatches
 from policies.prefix import plan_group_micro_batches

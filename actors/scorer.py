@@ -26,7 +26,7 @@ import time
 import msgspec
 import structlog
 
-from launch.config import ScorerConfig
+from config import ScorerConfig
 from policies.sql_reward import BAD_DB_PATH, GENERATION_ERROR, reward_for
 from queues.messages import RolloutGroup, SchemaError, ScoredGroup, codec
 from tasks.sandbox import GoldCache, SqlPool, score_group

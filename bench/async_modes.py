@@ -3,9 +3,9 @@
     .venv/bin/python bench/async_modes.py [--prompts 64] [--samples 16] [--steps 5] [--modes ...]
 
 What runs (one process, one asyncio loop, plus an embedded redis-server):
-  coordinator  actors.coordinator.Coordinator, the real step loop (run(): publish-ahead, handshakes,
+  coordinator  actors.coordinator.coordinator.Coordinator, the real step loop (run(): publish-ahead, handshakes,
                the async boundary with or without partial rollouts); checkpoints are skipped
-  generator    actors.generator.Generator over actors.engines.simulated.SimulatedEngine: a latency
+  generator    actors.generator.generator.Generator over actors.engines.simulated.SimulatedEngine: a latency
                model of one batching engine (every live sequence decodes one token per tick of
                `tick_s + per_seq_s * live` s), response lengths lognormal with a long tail
                (p99/p50 >= 4, checked and printed), interrupt/continue for partial rollouts
@@ -39,11 +39,11 @@ import uuid  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 
 from actors.assembler import Assembler  # noqa: E402
-from actors.coordinator import Coordinator  # noqa: E402
+from actors.coordinator.coordinator import Coordinator  # noqa: E402
 from actors.engines.simulated import SimulatedEngine  # noqa: E402
-from actors.generator import Generator  # noqa: E402
-from actors.weight_sync_wire import SyncSummary  # noqa: E402
-from launch.config import RunConfig, apply_overrides  # noqa: E402
+from actors.generator.generator import Generator  # noqa: E402
+from weights.wire import SyncSummary  # noqa: E402
+from config import RunConfig, apply_overrides  # noqa: E402
 from queues.messages import RolloutGroup, ScoredGroup, TrainBatch, codec, pack_ids  # noqa: E402
 from queues.redis_server import EmbeddedRedis  # noqa: E402
 from queues.streams import Stream, connect  # noqa: E402

@@ -35,7 +35,7 @@ async def engine_throughput(engine, concurrency: int, max_tokens: int, n: int, r
 
 async def publish_latency(engine, gen_cfg, tasks_count: int, max_tokens: int, n: int) -> tuple[float, float, float]:
     """(median, p95, max) seconds from a group's finished_at to its arrival on the rollouts stream."""
-    from actors.generator import Generator
+    from actors.generator.generator import Generator
     from queues.messages import PromptTask, RolloutGroup, codec, pack_ids
     from queues.redis_server import EmbeddedRedis
     from queues.streams import Stream, connect
@@ -68,7 +68,7 @@ async def publish_latency(engine, gen_cfg, tasks_count: int, max_tokens: int, n:
 
 async def main_async(args) -> str:
     from actors.engines.hf import TransformersEngine
-    from launch.config import GeneratorConfig, ModelConfig
+    from config import GeneratorConfig, ModelConfig
     from tasks.tiny_model import build_tiny
 
     torch.set_num_threads(args.threads)

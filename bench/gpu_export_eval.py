@@ -30,7 +30,7 @@ def build_export(work: Path, sft_steps: int, device: str) -> tuple[Path, Path]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from launch.config import ModelConfig
+    from config import ModelConfig
     from launch.export import begin_export, commit_export
     from queues.messages import unpack_ids
     from tasks.bird import build_prompts, load_split

@@ -136,7 +136,7 @@ async def generate(engine, prompt, version: int):
 
 async def sync(engine, learner, version: int, cuda: bool) -> dict:
     """The colocated transport: CUDA IPC on a GPU (the object store's plain path on CPU)."""
-    from actors.weight_sync import (
+    from weights import (
         CudaIpcSender, ObjectStoreSender, SyncSummary, make_receiver, merge_ipc_buckets,
     )
 
@@ -169,7 +169,7 @@ async def sync(engine, learner, version: int, cuda: bool) -> dict:
 async def main() -> dict:
     import torch
     from bench.h200 import build_model_dir, make_learner
-    from launch.config import GeneratorConfig, ModelConfig
+    from config import GeneratorConfig, ModelConfig
 
     cuda = torch.cuda.is_available()
     # This process also trains (CUDA in use here): vLLM's engine-core process must be spawned, not forked.

@@ -14,7 +14,7 @@ the first 14 decoder layers only: learner.checkpoint_layers), PROMPTS (groups pe
 step, 1), STEPS (timed steps, 2), OUT (results dir). Every variant runs in its own process (liger's
 kernel patch is process-wide); results: $OUT/h200_learner.json, $OUT/h200_colo.json, one table last.
 
-attn: "varlen" is the Learner's own packed attention (actors/attention.py: torch varlen_attn over the
+attn: "varlen" is the Learner's own packed attention (actors/learner/attention.py: torch varlen_attn over the
 PackedBatch's cu_seqlens on CUDA, one sdpa per sample on CPU), asked for by name and checked against
 per-sample sdpa first; "sdpa" is whatever the Learner picks for sdpa (varlen on a GPU without flash_attn,
 the dense mask on CPU); "sdpa_dense" forces the old block-diagonal [1,1,T,T] mask with sdpa's masked
@@ -85,10 +85,10 @@ def build_model_dir(name: str) -> str:
 # --------------------------------------------------------------------------- varlen attention
 
 def varlen_check() -> dict:
-    """The Learner's "varlen" attention (actors/attention.py) against one sdpa(is_causal) per sample,
+    """The Learner's "varlen" attention (actors/learner/attention.py) against one sdpa(is_causal) per sample,
     fwd + bwd, bf16, GQA, on this machine (CUDA: torch varlen_attn; CPU: its per-sample fallback)."""
     import torch
-    from actors import attention
+    from actors.learner import attention
 
     attention.register()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -194,18 +194,18 @@ def make_learner(model: str, zero: int, attn: str, path: str, mb_tokens: int, lr
     fused head alone: learner.liger_kernels=false) or lk (learner.use_liger as shipped: head + the
     RoPE/RMSNorm/SwiGLU kernels the Learner applies to its model)."""
     import torch
-    from launch.config import LearnerConfig, ModelConfig
+    from config import LearnerConfig, ModelConfig
 
     info = {}
     extra.setdefault("share_prompt", False)  # today's unshared paths (bench/h200_prefix.py measures sharing)
-    # "varlen": the Learner's own attention (actors/attention.py), asked for by name so the CPU smoke
+    # "varlen": the Learner's own attention (actors/learner/attention.py), asked for by name so the CPU smoke
     # runs it too; on a GPU without flash_attn the Learner picks it for "sdpa" by itself, so the
     # dense-mask sdpa row is forced with "sdpa_dense" below.
     impl = attn
     if attn == "varlen":
         info["varlen"] = varlen_check()
     elif attn == "sdpa_dense":
-        from actors import attention
+        from actors.learner import attention
 
         attention.select_attn_implementation = lambda requested, device, share_prompt=False: "sdpa"  # this process only
         impl = "sdpa"
@@ -223,7 +223,7 @@ def make_learner(model: str, zero: int, attn: str, path: str, mb_tokens: int, lr
 
 
 def Learner_cls():
-    from actors.learner import Learner
+    from actors.learner.learner import Learner
 
     return Learner
 

@@ -37,7 +37,7 @@ def _engine_child(model_dir: str, cmd_q, res_q, device: str, expected_names_only
 
     t = time.perf_counter()
     engine = TransformersEngine(gcfg, mcfg, model_dir)
-    from actors.weight_sync import CudaIpcReceiver, expected_from_named
+    from weights import CudaIpcReceiver, expected_from_named
 
     expected = expected_from_named(engine.model.named_parameters())
     receiver = CudaIpcReceiver(engine.load_weights, expected=expected) if cuda else None
@@ -226,7 +226,7 @@ def run_colo(spec: dict) -> dict:
     t = time.perf_counter()
     bucket_mb = int(spec.get("bucket_mb", 512))
     if cuda:
-        from actors.weight_sync import CudaIpcSender, SyncSummary
+        from weights import CudaIpcSender, SyncSummary
 
         # export on the GPU: Learner.export_weights defaults to device="cpu", which would send the
         # weights device->host->device before the IPC copy.

@@ -94,7 +94,7 @@ def run_variant(spec: dict) -> dict:
     prompts, steps, warm = spec["prompts"], spec["steps"], spec["warmup"]
     batches = [make_batch(make_groups(prompts, vocab, seed=s), mbt, share, step=s, seed=s) for s in range(warm + steps)]
     if share and learner.attn_implementation == "prefix_flex":  # the block mask's cost, once per micro-batch
-        from actors.attention_flex import build_block_mask
+        from actors.learner.attention_flex import build_block_mask
 
         pb = learner._on_device(learner._materialise(batches[0])[0])["packed"]
         build_block_mask(pb.segment_ids, pb.branch_ids)

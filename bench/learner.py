@@ -91,8 +91,8 @@ def cpu_rows(steps: int, shape: dict, share: bool, seed: int = 0):
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from actors.learner import Learner
-    from launch.config import LearnerConfig, ModelConfig
+    from actors.learner.learner import Learner
+    from config import LearnerConfig, ModelConfig
     from policies.packing import plan_micro_batches, split_minibatches
     from policies.prefix import plan_group_micro_batches
     from queues.messages import TrainBatch, TrainGroup, pack_floats, pack_ids

@@ -49,7 +49,7 @@ def make_batches(steps: int, groups: int, n: int, budget: int, vocab: int, seed:
 def measure(cfg, model_dir: str, run_dir: str, batches: list, ranks: int, threads: int) -> dict:
     import ray
 
-    from actors.learner_group import LearnerGroup
+    from actors.learner.group import LearnerGroup
     from queues.messages import TrainBatch, codec
 
     cfg.learner.num_ranks = ranks
@@ -86,8 +86,8 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from launch.config import LearnerConfig, ModelConfig
-    from launch.recipes import tiny
+    from config import LearnerConfig, ModelConfig
+    from config.recipes import tiny
 
     torch.manual_seed(0)
     root = tempfile.mkdtemp(prefix="bench_learner_ranks_")

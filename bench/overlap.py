@@ -4,7 +4,7 @@
 
 What runs (all in this process, on one asyncio loop, except the SQL workers and Redis):
   coordinator role  this script publishes one step's PromptTasks to the real "prompts" stream
-  generator         actors.generator.Generator over a SimulatedEngine subclass (below): the
+  generator         actors.generator.generator.Generator over a SimulatedEngine subclass (below): the
                     latency model decides WHEN each group finishes (lognormal response lengths,
                     ~1,200 tokens mean, long tail, `tick_s + per_seq_s * live` seconds per token);
                     this script only decides WHAT the samples say: every completion carries a real
@@ -55,9 +55,9 @@ from dataclasses import asdict, dataclass, field  # noqa: E402
 
 from actors.assembler import Assembler  # noqa: E402
 from actors.engines.simulated import SimulatedEngine  # noqa: E402
-from actors.generator import Generator  # noqa: E402
+from actors.generator.generator import Generator  # noqa: E402
 from actors.scorer import Scorer, ScorerLoop  # noqa: E402
-from launch.config import AssemblerConfig, GeneratorConfig, ScorerConfig  # noqa: E402
+from config import AssemblerConfig, GeneratorConfig, ScorerConfig  # noqa: E402
 from queues.messages import PromptTask, RolloutGroup, codec, pack_ids  # noqa: E402
 from queues.redis_server import EmbeddedRedis  # noqa: E402
 from queues.streams import Stream, connect, stream_key  # noqa: E402

@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from actors import weight_sync as ws  # noqa: E402
+import weights as ws  # noqa: E402
 
 
 def qwen3_like(layers: int, vocab: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

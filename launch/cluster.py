@@ -6,8 +6,8 @@ import sys
 
 import msgspec
 
-from launch.config import ConfigError, apply_overrides
-from launch.recipes import RECIPES, get_recipe
+from config import ConfigError, apply_overrides
+from config.recipes import RECIPES, get_recipe
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

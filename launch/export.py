@@ -216,7 +216,7 @@ def load_engine(model_dir: str | Path, engine: str = "", device: str = "auto", m
     from transformers import AutoTokenizer
 
     from actors.engines.base import make_engine
-    from launch.config import GeneratorConfig, ModelConfig
+    from config import GeneratorConfig, ModelConfig
     from actors.engines.hf import resolve_device
 
     settings = read_settings(model_dir)

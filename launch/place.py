@@ -7,7 +7,7 @@ learner and the coordinator hold training state: they are not restarted in place
 loses them continues with `coordinator.resume=true` from the last checkpoint.
 
 Placement: every actor is created with the Ray options of its slot in
-launch.placement.make_placement(cfg) (`actor_options`), the function --dry-run renders and --preflight
+config.placement.make_placement(cfg) (`actor_options`), the function --dry-run renders and --preflight
 builds. GPU recipes get one STRICT_PACK placement group per plan node, ready within
 cluster.placement_timeout_s or a one-line PlacementFailed naming the plan node (and any dead Ray
 node); a generator gets `device_ids`, the GPU ids Ray gave its TP bundles (found by a tiny task in
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.shell import ray_actor
-from launch.config import RunConfig
+from config import RunConfig
 from launch.warm_start import warm_start
 
 RESTART = dict(max_restarts=-1, max_task_retries=-1)
@@ -31,7 +31,7 @@ def create_actors(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, mo
                   names: str = ""):
     """The run's actors, named `<names>:learner-<rank>` etc. (names: the run id, or the run id and the
     relaunch: Ray keeps a dead actor's name while a handle to it lives), each with the Ray options of
-    its slot in launch.placement.make_placement(cfg) -- the placement --dry-run prints and --preflight
+    its slot in config.placement.make_placement(cfg) -- the placement --dry-run prints and --preflight
     builds. The learner is a LearnerGroup of the placement's world size (learner.num_ranks on CPU).
     Returns (learner, generators, scorers, assembler, placement, groups); the caller removes `groups`."""
     import ray
@@ -39,10 +39,10 @@ def create_actors(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, mo
     names = names or run_id
 
     from actors.assembler import Assembler
-    from actors.generator import GeneratorActor
-    from actors.learner_group import LearnerGroup
+    from actors.generator.generator import GeneratorActor
+    from actors.learner.group import LearnerGroup
     from actors.scorer import ScorerActor
-    from launch.placement import make_placement
+    from config.placement import make_placement
 
     placement = make_placement(cfg)
     if placement.errors:
@@ -92,7 +92,7 @@ def _drive(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_pat
 
     import ray
 
-    from actors.coordinator import Coordinator
+    from actors.coordinator.coordinator import Coordinator
     from launch.progress import Progress
 
     learner, generators, scorers, assembler = actors
@@ -140,7 +140,7 @@ def _drive(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_pat
 
 
 # ---------------------------------------------------------------------------------------------
-# Placement groups: what launch.placement.make_placement says, built in Ray (the launcher and --preflight)
+# Placement groups: what config.placement.make_placement says, built in Ray (the launcher and --preflight)
 
 
 class PlacementFailed(RuntimeError):

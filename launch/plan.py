@@ -4,7 +4,7 @@
 prints, `Plan.to_dict()` the same as builtins, `Plan.fits` the verdict (the CLI's exit code).
 
 Placement
-    Taken whole from launch.placement.make_placement (the function the launcher and --preflight build):
+    Taken whole from config.placement.make_placement (the function the launcher and --preflight build):
     nodes, one placement-group bundle per GPU, which actor on which bundle / node-local GPU, each
     actor's Ray request (GPU fraction, CPUs), the learner world size W and the weight-sync transport.
     Its errors (engines that do not fit, async without learner GPUs) are plan errors. One row per
@@ -62,11 +62,11 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
-from launch.config import RunConfig
-from launch.memory import (CUDA_CONTEXT_GIB, DTYPE_BYTES, GIB, QWEN3_SHAPES, ModelShape,  # noqa: F401 (re-exported)
+from config import RunConfig
+from config.memory import (CUDA_CONTEXT_GIB, DTYPE_BYTES, GIB, QWEN3_SHAPES, ModelShape,  # noqa: F401 (re-exported)
                            _activations_label, _checkpointing_note, activation_gib, kv_bytes_per_token,
                            learner_state_gib, logits_gib, model_shape, zero3_gather_gib)
-from launch.placement import ActorSlot, Placement, make_placement
+from config.placement import ActorSlot, Placement, make_placement
 
 # ---------------------------------------------------------------------------------------------
 # Plan

@@ -1,7 +1,7 @@
 """`python -m launch.cluster RECIPE --preflight [--simulate]`: build the placement, load no model.
 
 What it does, in order (each step bounded; the first failure is one line, PreflightFailed):
-1. launch.placement.make_placement(cfg) -- the function --dry-run renders; its errors fail at once.
+1. config.placement.make_placement(cfg) -- the function --dry-run renders; its errors fail at once.
 2. One STRICT_PACK placement group per plan node (launch.place.build_placement_groups), the GPU ids
    of every bundle by a tiny task in it, then one light probe actor (launch.probe.Probe) per planned
    actor with exactly the options the launcher gives the real one (launch.place.actor_options).
@@ -13,7 +13,7 @@ What it does, in order (each step bounded; the first failure is one line, Prefli
    except a colocated learner rank and the engine covering it.
 4. An all-reduce of (rank + 1) over the learner-rank probes (gloo on CPU and simulated, NCCL on
    GPUs; the store on rank 0's node address): the sum must be W(W+1)/2.
-5. One bucket through the weight-sync transport the placement implies (actors.weight_sync's
+5. One bucket through the weight-sync transport the placement implies (weights's
    classes): object_store / cuda_ipc from the learner rank to every engine probe, or the nccl
    broadcast (gloo on CPU); simulated GPUs have no CUDA: cuda_ipc runs as object_store, nccl as gloo.
 6. One table, exit 0. Probes and groups are removed at the end, success or not.
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launch.config import RunConfig
-from launch.placement import Placement, make_placement
+from config import RunConfig
+from config.placement import Placement, make_placement
 
 
 LOOPBACK = "127.0.0.1"
@@ -210,7 +210,7 @@ def _all_reduce(placement: Placement, probes: dict, simulate: bool, timeout_s: f
 
 def _weight_sync(placement: Placement, probes: dict, simulate: bool, timeout_s: float) -> str:
     """One bucket by the placement's transport (as simulated where no GPU exists); returns its name."""
-    from actors.weight_sync import drive_bucketed_sync
+    from weights import drive_bucketed_sync
 
     engines = placement.by_role("generator")
     if not engines:

@@ -3,7 +3,7 @@
 Invariants:
 - Importing this module imports the standard library and ray only. torch (and torch.distributed)
   is imported inside the calls that need it: the learner ranks' all-reduce and the weight-sync
-  bucket (actors.weight_sync's own classes). A probe that only reports its place never loads it.
+  bucket (weights's own classes). A probe that only reports its place never loads it.
 - No model, tokenizer or dataset is read; `report` only checks that given paths are readable.
 - Every call that waits on other processes is bounded by its `timeout_s` (gloo/NCCL timeouts on the
   group, TCPStore timeouts on the rendezvous); the driver bounds each ray.get as well.
@@ -123,7 +123,7 @@ class Probe:
         import torch
         import torch.distributed as dist
 
-        from actors.weight_sync_broadcast import _make_group
+        from weights.broadcast import _make_group
 
         timeout = datetime.timedelta(seconds=timeout_s)
         store = self._store if rank == 0 else dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
@@ -145,7 +145,7 @@ class Probe:
         return export
 
     def ws_start(self, kind: str, version: int, bucket_mb: int = 1) -> None:
-        from actors import weight_sync
+        import weights as weight_sync
 
         if kind == "object_store":
             self.sender = weight_sync.ObjectStoreSender(self._export("cpu"), bucket_mb)
@@ -157,7 +157,7 @@ class Probe:
         return self.sender.next_bucket()
 
     def ws_listen(self, world_size: int, backend: str, timeout_s: float) -> Any:
-        from actors import weight_sync
+        import weights as weight_sync
 
         self.sender = weight_sync.BroadcastSender(self._export("cuda" if backend == "nccl" else "cpu"), 1,
                                                   backend=backend, timeout_s=timeout_s)
@@ -176,7 +176,7 @@ class Probe:
         self.received = [(n, t.detach().to("cpu").clone()) for n, t in named]
 
     async def ws_receive(self, message: Any, kind: str) -> int | None:
-        from actors import weight_sync
+        import weights as weight_sync
 
         if self.receiver is None:
             cls = weight_sync.ObjectStoreReceiver if kind == "object_store" else weight_sync.CudaIpcReceiver
@@ -184,7 +184,7 @@ class Probe:
         return await self.receiver.receive(message)
 
     def ws_join(self, rendezvous: Any, rank: int) -> None:
-        from actors import weight_sync
+        import weights as weight_sync
 
         self.receiver = weight_sync.BroadcastReceiver(self._load)
         self.receiver.init(rendezvous, rank)

@@ -1,6 +1,6 @@
 """One run, start to finish: data, model, Redis, Ray, the actors, the coordinator's loop.
 
-The whole control loop lives in actors/coordinator.py; this module only prepares inputs,
+The whole control loop lives in actors/coordinator/coordinator.py; this module only prepares inputs,
 places the actors and tears everything down (Ctrl-C and errors included), so that nothing it
 started (Ray workers, redis-server) outlives it.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from launch.config import ConfigError, RunConfig, check_inputs
+from config import ConfigError, RunConfig, check_inputs
 from queues.errors import one_line  # noqa: F401 - launch.run.one_line for the CLI and preflight
 from tasks.bird import BirdDataError
 from launch.export import next_steps
@@ -383,7 +383,7 @@ def run_with_relaunches(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: s
                         train_items: list, eval_items: list, log) -> dict[str, Any]:
     """place_and_run, started again from the latest checkpoint when the learner or the
     coordinator dies (actors Ray does not restart), up to cluster.max_relaunches times."""
-    from actors.coordinator import Coordinator
+    from actors.coordinator.coordinator import Coordinator
     from launch.place import place_and_run
 
     relaunches = 0

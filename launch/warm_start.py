@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from launch.config import RunConfig
+from config import RunConfig
 
 
 def sft_pairs(cfg: RunConfig, items: list, model_path: str) -> list[tuple[list[int], list[int], list[int] | None]]:

@@ -8,11 +8,11 @@ Invariants:
   attention does not cross sample boundaries:
     * flash_attention_2/3 (GPU): transformers derives the varlen boundaries from the restarting
       position_ids; no mask is passed (`PackedBatch.attention_mask` returns None).
-    * "varlen" (actors/attention.py; the learner's choice on a GPU without flash-attn): torch's
+    * "varlen" (actors/learner/attention.py; the learner's choice on a GPU without flash-attn): torch's
       varlen_attn over the row, cut by `PackedBatch.varlen_kwargs()` (cu_seqlens with trailing
       padding as a segment of its own, and the longest segment as a python int); no mask.
     * sdpa / eager (CPU, tests): an explicit block-diagonal causal 4D mask is built and passed.
-    * "prefix_flex" (actors/attention_flex.py, CUDA): FlexAttention with a block mask built from
+    * "prefix_flex" (actors/learner/attention_flex.py, CUDA): FlexAttention with a block mask built from
       `segment_ids` / `branch_ids`; it also expresses the shared-prompt rows of policies/prefix.py.
 - The attention rule, one for every layout: query q may see key k iff `segment_ids` are equal,
   k <= q in row order, and `branch_ids[k]` is 0 or equal to `branch_ids[q]`. `pack` puts every
@@ -32,21 +32,12 @@ from typing import Sequence
 
 import torch
 
-FLASH_ATTENTION_IMPLS = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn",
-                         "kernels-community/flash-attn3")
-VARLEN = "varlen"  # actors/attention.py registers it with transformers' AttentionInterface
-FLEX = "prefix_flex"  # actors/attention_flex.py registers it (FlexAttention, segment + branch block mask)
+from config.schema import FLASH_ATTENTION_IMPLS, FLEX, VARLEN, expresses_shared_prefix  # noqa: F401 (re-exported)
 
 
 def needs_dense_mask(attn_implementation: str) -> bool:
     """False for the implementations that keep samples apart themselves (no [T, T] mask)."""
     return attn_implementation not in FLASH_ATTENTION_IMPLS and attn_implementation not in (VARLEN, FLEX)
-
-
-def expresses_shared_prefix(attn_implementation: str) -> bool:
-    """Whether the implementation can run policies/prefix.py's shared rows (branch ids): flex and the
-    dense mask can; flash / varlen cut a row into segments only."""
-    return attn_implementation not in FLASH_ATTENTION_IMPLS and attn_implementation != VARLEN
 
 
 class OversizedSampleWarning(UserWarning):

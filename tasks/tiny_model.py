@@ -100,7 +100,7 @@ def build_tiny(out_dir: str, texts: Iterable[str] | None = None, seed: int = 0, 
     if os.path.exists(os.path.join(out_dir, "config.json")) and os.path.exists(os.path.join(out_dir, "tokenizer.json")):
         return out_dir
     if model_cfg is None:
-        from launch.config import ModelConfig
+        from config import ModelConfig
 
         model_cfg = ModelConfig(source="tiny")
     cfg = model_cfg

@@ -3,7 +3,7 @@ import asyncio
 
 from actors.assembler import (FAILED, FILTERED, GOLD_FAILED, STALE, TRAINED, Assembler, admit, build_batch,
                               staleness_metrics)
-from launch.config import AssemblerConfig
+from config import AssemblerConfig
 from queues.messages import (PromptTask, RolloutGroup, Sample, ScoredGroup, TrainBatch, codec, pack_floats,
                              pack_ids)
 from queues.streams import Stream, connect

@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from launch.config import ConfigError, RunConfig, apply_overrides, check_inputs
-from launch.recipes import RECIPES, get_recipe
+from config import ConfigError, RunConfig, apply_overrides, check_inputs
+from config.recipes import RECIPES, get_recipe
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
@@ -121,8 +121,8 @@ def test_ray_dashboard_is_skipped_when_its_modules_are_missing(monkeypatch):
 def test_a_coordinator_built_directly_resolves_weight_sync_auto():
     """The launcher resolves coordinator.weight_sync="auto" from the placement; a Coordinator built
     without it (tests, benches) resolves it the same way instead of treating "auto" as a broadcast."""
-    from actors.coordinator import Coordinator
-    from launch.config import RunConfig
+    from actors.coordinator.coordinator import Coordinator
+    from config import RunConfig
 
     cfg = RunConfig()
     assert cfg.coordinator.weight_sync == "auto"

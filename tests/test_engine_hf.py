@@ -6,7 +6,7 @@ import torch
 
 from actors.engines.base import EngineAsleep, TaskError
 from actors.engines.hf import TransformersEngine, sample_tokens
-from launch.config import GeneratorConfig, ModelConfig
+from config import GeneratorConfig, ModelConfig
 from queues.messages import PromptTask, pack_ids, unpack_floats, unpack_ids
 from tasks.tiny_model import build_model, build_tiny
 

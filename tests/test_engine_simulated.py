@@ -3,7 +3,7 @@ import asyncio
 import statistics
 
 from actors.engines.simulated import SimulatedEngine
-from launch.config import GeneratorConfig
+from config import GeneratorConfig
 from queues.messages import PromptTask, pack_ids, unpack_ids
 
 

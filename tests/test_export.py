@@ -58,9 +58,9 @@ def test_an_export_is_complete_or_absent(tmp_path):
 # Trains 5 checkpointed steps with keep_checkpoints=2 over a real LearnerShell, then SIGKILLs itself.
 _TRAIN_THEN_DIE = """
 import asyncio, os, signal, sys
-from actors.coordinator import Coordinator
-from actors.learner_actor import LearnerShell
-from launch.recipes import tiny
+from actors.coordinator.coordinator import Coordinator
+from actors.learner.shell import LearnerShell
+from config.recipes import tiny
 from tasks.tiny_model import build_tiny
 
 cfg = tiny()
@@ -88,9 +88,9 @@ def test_checkpoints_export_prune_then_kill_and_resume(tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    from actors.coordinator import Coordinator
-    from actors.learner_actor import LearnerShell
-    from launch.recipes import tiny
+    from actors.coordinator.coordinator import Coordinator
+    from actors.learner.shell import LearnerShell
+    from config.recipes import tiny
 
     run_dir = tmp_path / "run"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

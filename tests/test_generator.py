@@ -9,8 +9,8 @@ import torch
 from actors.engines.base import DeferredEngine, EngineAsleep
 from actors.engines.hf import TransformersEngine
 from actors.engines.simulated import SimulatedEngine
-from actors.generator import Generator
-from launch.config import GeneratorConfig, ModelConfig
+from actors.generator.generator import Generator
+from config import GeneratorConfig, ModelConfig
 from queues.messages import PromptTask, RolloutGroup, codec, pack_ids
 from queues.streams import Stream, connect
 from tasks.tiny_model import build_tiny

@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from actors.learner import Learner
-from actors.learner_engine import lr_lambda
-from launch.config import LearnerConfig, ModelConfig
+from actors.learner.learner import Learner
+from actors.learner.engine import lr_lambda
+from config import LearnerConfig, ModelConfig
 from policies.packing import plan_micro_batches, split_minibatches
 from queues.messages import TrainBatch, TrainGroup, pack_floats, pack_ids
 
@@ -334,7 +334,7 @@ def test_varlen_attention_through_the_learner_equals_the_masked_path(model_dir):
 
 
 def test_attention_selection_prefers_varlen_on_cuda_without_flash_attn(monkeypatch):
-    from actors import attention
+    from actors.learner import attention
 
     assert attention.select_attn_implementation("sdpa", "cpu") == "sdpa"
     assert attention.select_attn_implementation("auto", "cpu") == "sdpa"
@@ -357,7 +357,7 @@ def test_torch_varlen_call_matches_per_sample_sdpa_with_a_fake_varlen_attn_of_ea
     or 2.13 (window_size, enable_gqa) computes per-sample sdpa, so the call _torch_varlen builds for
     that torch (causal flag, repeated or native GQA heads) is checked for real against the fallback."""
     import torch.nn.attention.varlen as varlen_mod
-    from actors import attention
+    from actors.learner import attention
 
     calls = []
 
@@ -441,7 +441,7 @@ async def test_a_batch_delivered_while_waiting_but_never_seen_is_found_in_pendin
     then waited out the 600 s timeout). A missing batch times out naming the step and the stream."""
     import asyncio
 
-    from actors.learner_actor import LearnerShell
+    from actors.learner.shell import LearnerShell
     from queues.messages import codec
     from queues.streams import Stream, connect
 

@@ -47,8 +47,8 @@ STAGES = [0, 1, 2, 3]
 
 
 def _run_cfg(zero_stage: int):
-    from launch.config import LearnerConfig
-    from launch.recipes import tiny
+    from config import LearnerConfig
+    from config.recipes import tiny
 
     cfg = tiny()
     cfg.model = MODEL_CFG
@@ -69,7 +69,7 @@ async def _sync_object_store(group) -> tuple[int, dict]:
     """(buckets, name -> tensor) of one object_store sync driven as the coordinator does, in 64 KiB buckets."""
     import ray
 
-    from actors.weight_sync import ObjectStoreBucket, SyncSummary, payload_to_tensors
+    from weights import ObjectStoreBucket, SyncSummary, payload_to_tensors
 
     await group.weight_sync_start(1, "object_store", 1 / 16)
     got, buckets = {}, 0
@@ -91,8 +91,8 @@ def ranks_vs_one(model_dir, tmp_path_factory):
     batch; their metrics and exported weights. The ZeRO-1 group also saves a checkpoint."""
     import asyncio
 
-    from actors.learner import Learner
-    from actors.learner_group import LearnerGroup
+    from actors.learner.learner import Learner
+    from actors.learner.group import LearnerGroup
     from queues.messages import TrainBatch, codec
     from queues.redis_server import EmbeddedRedis
     from queues.streams import Stream, connect
@@ -151,7 +151,7 @@ def test_two_ranks_train_one_step_exactly_as_one_rank(ranks_vs_one, model_dir, s
 
 
 def test_a_checkpoint_of_two_ranks_refuses_to_resume_in_one_naming_both_sizes(ranks_vs_one, model_dir):
-    from actors.learner import Learner
+    from actors.learner.learner import Learner
 
     cfg = _run_cfg(1)
     one = Learner(cfg.learner, cfg.model, model_dir, total_steps=10, micro_batch_tokens=64, temperature=TEMPERATURE)

@@ -138,8 +138,8 @@ def test_bad_mode_or_cap_is_a_one_line_error_naming_it():
 
 
 def test_config_turns_correction_on_whenever_generation_can_be_off_policy(caplog):
-    from launch.config import ConfigError, apply_overrides
-    from launch.recipes import get_recipe
+    from config import ConfigError, apply_overrides
+    from config.recipes import get_recipe
 
     tiny = get_recipe("tiny")  # colocated, transformers engine, float32 engine and learner
     assert apply_overrides(tiny, []).learner.correction == "off"
@@ -150,7 +150,7 @@ def test_config_turns_correction_on_whenever_generation_can_be_off_policy(caplog
     assert apply_overrides(tiny, ["learner.tis_cap=3"]).learner.correction_cap == 3.0  # the legacy switch
     mis = apply_overrides(tiny, ["learner.correction=mis_seq", "learner.correction_cap=1.5"]).learner
     assert (mis.correction, mis.correction_cap) == ("mis_seq", 1.5)
-    with caplog.at_level("WARNING", logger="launch.config"):
+    with caplog.at_level("WARNING", logger="config"):
         off = apply_overrides(tiny, ["coordinator.mode=async", "assembler.max_staleness=2", "learner.correction=off"])
     assert off.learner.correction == "off" and "max_staleness=2" in caplog.text
     with pytest.raises(ConfigError, match="'learner.correction_cap'.*> 1"):

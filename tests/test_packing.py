@@ -124,7 +124,7 @@ def test_padding_fraction_counts_budget_slots():
 
 
 def test_varlen_cu_seqlens_cover_the_row_and_match_the_position_ids():
-    from actors.attention import cu_seqlens_from_position_ids
+    from actors.learner.attention import cu_seqlens_from_position_ids
 
     pb = pack([([1, 2, 3], [4, 5]), ([6], [7, 8, 9, 10]), ([11, 12], [13])], pad_to_multiple_of=8)
     assert pb.num_tokens == 16 and pb.num_padding == 3
@@ -140,7 +140,7 @@ def test_varlen_cu_seqlens_cover_the_row_and_match_the_position_ids():
 
 def test_varlen_attention_function_equals_one_causal_attention_per_sample():
     import torch.nn.functional as F
-    from actors.attention import varlen_attention_forward
+    from actors.learner.attention import varlen_attention_forward
 
     g = torch.Generator().manual_seed(0)
     lens = [5, 9, 3]

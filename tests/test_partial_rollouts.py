@@ -12,8 +12,8 @@ import torch
 from actors.assembler import STALE, TRAINED, admit
 from actors.engines.hf import TransformersEngine
 from actors.engines.simulated import SimulatedEngine
-from actors.generator import Generator
-from launch.config import AssemblerConfig, GeneratorConfig, ModelConfig
+from actors.generator.generator import Generator
+from config import AssemblerConfig, GeneratorConfig, ModelConfig
 from queues.messages import (PromptTask, RolloutGroup, ScoredGroup, codec, oldest_version, pack_ids, sample_versions,
                              unpack_floats, unpack_ids)
 from queues.streams import Stream, connect

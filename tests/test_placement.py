@@ -1,13 +1,13 @@
-"""launch.placement: the one placement function behind --dry-run, --preflight and the launcher (pure, no Ray)."""
+"""config.placement: the one placement function behind --dry-run, --preflight and the launcher (pure, no Ray)."""
 import importlib.util
 from collections import defaultdict
 
 import pytest
 
-from launch.config import ConfigError, LearnerConfig, apply_overrides, check_attention
-from launch.placement import make_placement
+from config import ConfigError, LearnerConfig, apply_overrides, check_attention
+from config.placement import make_placement
 from launch.plan import make_plan
-from launch.recipes import get_recipe
+from config.recipes import get_recipe
 
 
 def cfg_for(recipe: str, *overrides: str):

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from launch.config import ConfigError, apply_overrides
+from config import ConfigError, apply_overrides
 from launch.plan import GIB, QWEN3_SHAPES, make_plan, model_shape
-from launch.recipes import get_recipe
+from config.recipes import get_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from launch.placement import make_placement
+from config.placement import make_placement
 from launch.preflight import PreflightFailed, run_probes, simulated_cluster
 from launch.probe import Probe
-from launch.recipes import get_recipe
+from config.recipes import get_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -94,13 +94,13 @@ def test_launcher_builds_the_plan_s_placement_fake_gpu_actors_stand_in(cluster_3
     import ray
 
     import actors.assembler
-    import actors.generator
-    import actors.learner_actor
+    import actors.generator.generator
+    import actors.learner.shell
     import actors.scorer
     from launch.place import create_actors, group_nodes, remove_groups
     from launch.plan import make_plan
 
-    for module, name in ((actors.generator, "GeneratorActor"), (actors.learner_actor, "LearnerActor"),
+    for module, name in ((actors.generator.generator, "GeneratorActor"), (actors.learner.shell, "LearnerActor"),
                          (actors.scorer, "ScorerActor")):
         monkeypatch.setattr(module, name, ray.remote(_StandIn))
     monkeypatch.setattr(actors.assembler, "Assembler", _StandIn)

@@ -4,7 +4,7 @@ import asyncio
 import pytest
 
 from actors.scorer import Scorer, ScorerLoop
-from launch.config import ScorerConfig
+from config import ScorerConfig
 from queues.messages import PromptTask, RolloutGroup, Sample, ScoredGroup, codec, pack_ids
 from tasks.bird import load_split
 from tasks.synthetic import write_dataset

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from actors.learner import Learner
-from launch.config import ConfigError, LearnerConfig
+from actors.learner.learner import Learner
+from config import ConfigError, LearnerConfig
 from policies.packing import OversizedSampleWarning, block_causal_mask, pack, plan_micro_batches, split_minibatches
 from policies.prefix import group_runs, pack_shared, part_tokens, plan_group_micro_batches
 from queues.messages import TrainBatch, TrainGroup, pack_floats, pack_ids, unpack_ids
@@ -66,7 +66,7 @@ def test_flex_block_mask_equals_the_dense_mask():
     mask, over a row of several 128-token tiles (full, partial and skipped ones; a ragged end)."""
     import torch.nn.functional as F
 
-    from actors.attention_flex import BLOCK, block_mask_for, block_tiles, flex_attention_forward
+    from actors.learner.attention_flex import BLOCK, block_mask_for, block_tiles, flex_attention_forward
 
     g = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(0, 50, (n,), generator=g)  # noqa: E731
@@ -160,8 +160,8 @@ class _no_warning:
 # ----------------------------------------------------------------------------- config
 
 def test_config_derives_the_assembler_flag_and_refuses_incompatible_attention():
-    from launch.config import apply_overrides
-    from launch.recipes import tiny
+    from config import apply_overrides
+    from config.recipes import tiny
 
     cfg = apply_overrides(tiny(), [])  # on by default
     assert cfg.learner.share_prompt and cfg.assembler.share_prompt
@@ -171,7 +171,7 @@ def test_config_derives_the_assembler_flag_and_refuses_incompatible_attention():
         apply_overrides(tiny(), ["learner.share_prompt=true", "model.attn_implementation=varlen"])
     with pytest.raises(ConfigError, match=r"^config key 'assembler.share_prompt': set learner.share_prompt"):
         apply_overrides(tiny(), ["assembler.share_prompt=true"])
-    from actors.attention import select_attn_implementation
+    from actors.learner.attention import select_attn_implementation
 
     assert select_attn_implementation("sdpa", "cpu", share_prompt=True) == "sdpa"
     assert select_attn_implementation("auto", "cuda", share_prompt=True) == "prefix_flex"
@@ -329,7 +329,7 @@ def test_a_micro_batch_listing_a_group_non_contiguously_is_refused_by_name(learn
 
 def test_assembler_plans_groups_with_the_prompt_counted_once():
     from actors.assembler import build_batch
-    from launch.config import AssemblerConfig
+    from config import AssemblerConfig
     from tests.test_assembler import scored
 
     groups = [scored(str(i), [1.0, 0.0, 0.1, 0.5], completion_len=3 + i) for i in range(4)]  # prompts of 5

@@ -60,3 +60,11 @@ def test_questions_come_from_the_template_subset_only(tmp_path):
 def test_held_out_questions_are_distinct_per_database(held_out_task):
     dev = _rows(held_out_task, "dev")
     assert len({(q["db_id"], q["question"], q["evidence"]) for q in dev}) == len(dev)
+
+
+def test_recipes_name_the_tiny_templates():
+    """config/ imports nothing of ours, so the tiny recipe states the templates itself: they must stay equal."""
+    from config import recipes
+
+    assert recipes.TINY_TEMPLATES == TINY_TEMPLATES
+    assert recipes.RECIPES["tiny"]().data.synthetic_templates == list(TINY_TEMPLATES)

@@ -10,7 +10,7 @@ import pytest
 
 from actors.engines import vllm_engine
 from actors.engines.vllm_engine import VLLM_API, build_engine_args, plain, resolve_symbol, sample_from_completion
-from launch.config import GeneratorConfig, ModelConfig
+from config import GeneratorConfig, ModelConfig
 from queues.messages import unpack_floats, unpack_ids
 
 SOURCE = Path(vllm_engine.__file__).read_text()

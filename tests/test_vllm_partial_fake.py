@@ -11,7 +11,7 @@ import pytest
 
 from actors.engines import vllm_partial
 from actors.engines.vllm_engine import VLLM_API, VLLMEngine
-from launch.config import GeneratorConfig
+from config import GeneratorConfig
 from queues.messages import PromptTask, pack_ids, sample_versions, unpack_floats, unpack_ids
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from actors import weight_sync as ws
+import weights as ws
 
 
 
@@ -418,7 +418,7 @@ def test_send_to_a_dead_receiver_ends_when_the_group_is_closed_not_at_its_timeou
 def test_group_layout_gives_a_tensor_parallel_engine_consecutive_ranks():
     """nccl: the learner is rank 0; a TP-4 vLLM engine's 4 workers take 4 consecutive ranks (the
     coordinator used to give every generator one rank, which a TP engine's workers overflow)."""
-    from actors.weight_sync import group_layout
+    from weights import group_layout
 
     assert group_layout([1, 1]) == ([1, 2], 3)
     assert group_layout([4, 4, 1]) == ([1, 5, 9], 10)

@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from actors.coordinator import Coordinator
-from launch.recipes import tiny
+from actors.coordinator.coordinator import Coordinator
+from config.recipes import tiny
 from tasks.tiny_model import build_tiny
 
 def _learner_weights(shell) -> dict[str, torch.Tensor]:
@@ -38,8 +38,8 @@ class RecordingLog:
 def _learner_generators_coordinator(tmp_path, weight_sync: str, colocated: list[bool]):
     """A LearnerActor on a fresh tiny model, one GeneratorActor per flag (Ray restarts them) and a
     Coordinator over them (no Redis, no assembler: only its sync and heal paths are called)."""
-    from actors.generator import GeneratorActor
-    from actors.learner_actor import LearnerActor
+    from actors.generator.generator import GeneratorActor
+    from actors.learner.shell import LearnerActor
     from launch.place import RESTART
 
     cfg = tiny()

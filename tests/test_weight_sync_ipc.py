@@ -19,13 +19,13 @@ import torch
 
 from actors.engines.vllm_engine import VLLMEngine
 from actors.engines.vllm_worker import WeightLoaderExtension
-from actors.weight_sync import make_receiver
-from actors.weight_sync_broadcast import BroadcastSender
-from actors.weight_sync_ipc import (
+from weights import make_receiver
+from weights.broadcast import BroadcastSender
+from weights.ipc import (
     CudaIpcBucket, ipc_message_from_bytes, ipc_message_to_bytes, merge_ipc_buckets, select_ipc_handles,
 )
-from actors.weight_sync_store import ObjectStoreReceiver
-from actors.weight_sync_wire import (
+from weights.store import ObjectStoreReceiver
+from weights.wire import (
     SyncAbort, SyncSummary, WeightSyncError, encode_message, flatten_bucket, iter_buckets,
 )
 
@@ -208,7 +208,7 @@ async def test_cuda_ipc_into_fake_tp2_vllm_workers_each_opens_only_its_gpu_with_
 
 
 async def test_object_store_and_load_weights_reach_fake_vllm_workers_as_plain_bytes():
-    from actors.weight_sync_store import ObjectStoreSender
+    from weights.store import ObjectStoreSender
 
     w = weights(3)
     workers = [FakeWorker(0, "GPU-a"), FakeWorker(1, "GPU-b")]
@@ -238,7 +238,7 @@ async def test_broadcast_group_joined_by_fake_vllm_workers_over_gloo_one_rank_ea
 
 
 def test_a_worker_whose_rank_does_not_fit_the_group_says_so_before_joining():
-    from actors.weight_sync_broadcast import Rendezvous
+    from weights.broadcast import Rendezvous
 
     rdv = Rendezvous(host="127.0.0.1", port=1, world_size=3, backend="gloo", timeout_s=1)
     with pytest.raises(WeightSyncError, match="needs rank 3 but the group's world_size is 3"):
@@ -255,8 +255,8 @@ def test_the_merged_ipc_message_crosses_msgpack_as_pickled_bytes():
 
 def _generator_shell_over(engine: VLLMEngine):
     """The real GeneratorActor class body (not started through Ray) over a fake-vLLM engine."""
-    from actors.generator import Generator
-    from actors.generator_actor import GeneratorShell
+    from actors.generator.generator import Generator
+    from actors.generator.shell import GeneratorShell
 
     shell = object.__new__(GeneratorShell)
     shell.gen = Generator(engine, type("Cfg", (), {"max_inflight_prompts": 4})())

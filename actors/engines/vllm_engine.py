@@ -260,7 +260,7 @@ class VLLMEngine(PartialRequests, Engine):
 
     async def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         """Plain bytes: the bucket flattened on the CPU, its plan, one raw buffer per dtype."""
-        from actors.weight_sync_wire import flatten_bucket
+        from weights.wire import flatten_bucket
 
         named = [(n, t.detach().cpu()) for n, t in named_tensors]
         plan, buffers = flatten_bucket(named, int(version), 0, device="cpu")
@@ -268,15 +268,15 @@ class VLLMEngine(PartialRequests, Engine):
         await self.load_flat_bucket(plan, buffers)
 
     async def load_flat_bucket(self, plan: Any, buffers: dict[str, Any]) -> None:
-        from actors.weight_sync_wire import encode_message
+        from weights.wire import encode_message
 
         raw = {d: _raw(b) for d, b in buffers.items()}
         await self._rpc("arl_load_flat", encode_message(plan), raw, expect=len(plan.tensors))
 
     async def load_ipc_bucket(self, message: Any) -> None:
         """CUDA IPC: each worker opens the handle of its own GPU (the learner rank beside it)."""
-        from actors.weight_sync_ipc import ipc_message_to_bytes
-        from actors.weight_sync_wire import decode_message
+        from weights.ipc import ipc_message_to_bytes
+        from weights.wire import decode_message
 
         count = len(decode_message(message.plan).tensors)
         await self._rpc("arl_load_ipc", ipc_message_to_bytes(message), expect=count)

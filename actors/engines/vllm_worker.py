@@ -11,7 +11,7 @@ Invariants:
   the views, synchronises, and drops them before returning, so the learner can free the bucket.
 - Broadcast (disaggregated): each worker joins the learner's private NCCL group itself, as rank
   ``first_rank + self.rank`` (vLLM's rank of this worker in its engine: its tensor-parallel rank),
-  and takes part in every broadcast; the learner is rank 0 (actors.weight_sync_broadcast).
+  and takes part in every broadcast; the learner is rank 0 (weights.broadcast).
 - Plain bytes (where neither applies): the plan plus one raw buffer per dtype, rebuilt on the
   worker's device from dtype and shape.
 - Every worker receives every tensor of a bucket under its Hugging Face name; vLLM's own
@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from actors.weight_sync_broadcast import BroadcastReceiver, Rendezvous
-from actors.weight_sync_ipc import ipc_message_from_bytes, load_ipc_bucket
-from actors.weight_sync_wire import WeightSyncError, payload_to_tensors
+from weights.broadcast import BroadcastReceiver, Rendezvous
+from weights.ipc import ipc_message_from_bytes, load_ipc_bucket
+from weights.wire import WeightSyncError, payload_to_tensors
 
 
 def run_coroutine(coro: Any) -> Any:

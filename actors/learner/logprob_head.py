@@ -38,7 +38,7 @@ class LogProbHead(torch.nn.Module):
 
     def forward(self, input_ids, position_ids, target_ids, attention_mask=None, with_entropy: bool = False,
                 temperature: float | None = None, **attn_kwargs):
-        # attn_kwargs: cu_seq_lens_q/k, max_length_q/k for the "varlen" attention (actors/attention.py);
+        # attn_kwargs: cu_seq_lens_q/k, max_length_q/k for the "varlen" attention (actors/learner/attention.py);
         # transformers hands them to the attention function of every layer.
         temp = self.temperature if temperature is None else temperature
         if self.flce is not None and not with_entropy:

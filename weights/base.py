@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from actors.weight_sync_wire import (
+from weights.wire import (
     BucketPlan, Expected, ExportWeights, LoadWeights, NamedTensors, SyncAbort, SyncSummary, WeightSyncError,
     normalise_expected, validate_plan,
 )

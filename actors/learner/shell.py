@@ -1,5 +1,5 @@
 """The learner's Ray shell: one rank actor (`LearnerActor`), the thin layer the coordinator and the
-LearnerGroup call; all training behaviour lives in actors/learner.py.
+LearnerGroup call; all training behaviour lives in actors/learner/learner.py.
 
 Invariants:
 - Rank 0 alone reads the `batches` stream (consumer "learner-0"), keeps the ledger of trained steps
@@ -19,7 +19,7 @@ import time
 import structlog
 import torch
 
-from actors.learner import Learner
+from actors.learner.learner import Learner
 from queues.messages import TrainBatch
 
 log = structlog.get_logger("arctic_rl.learner")
@@ -47,7 +47,7 @@ class LearnerShell:
     """One learner rank: a Learner plus (rank 0) its batches stream, and its side of weight sync.
 
     A world of one builds its Learner in the constructor; a rank of a larger world builds it in
-    `join`, once rank 0 `listen`s (actors/learner_group.py drives that).
+    `join`, once rank 0 `listen`s (actors/learner/group.py drives that).
     """
 
     def __init__(self, learner_cfg, model_cfg, model_path: str, total_steps: int, micro_batch_tokens: int,
@@ -77,7 +77,7 @@ class LearnerShell:
 
     def listen(self) -> tuple[str, int]:
         """Rank 0 of a world > 1: binds the world's store; returns where the others connect."""
-        from actors.learner_group import bind_store
+        from actors.learner.group import bind_store
 
         self._store, host, port = bind_store(self.world_size)
         return host, port
@@ -85,7 +85,7 @@ class LearnerShell:
     def join(self, host: str, port: int) -> None:
         """Every rank of a world > 1, concurrently: joins the process group, then builds the Learner
         (deepspeed.initialize is collective)."""
-        from actors.learner_group import init_world
+        from actors.learner.group import init_world
 
         device = self._args[0].device
         cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
@@ -169,7 +169,7 @@ class LearnerShell:
         return self.learner.sft_step(pairs, lr=lr)
 
     def weight_sync_start(self, version: int, kind: str, bucket_mb: int) -> None:
-        from actors import weight_sync
+        import weights as weight_sync
 
         if kind == "object_store" and self.rank > 0:
             # ZeRO-3: the gathers are collective; this rank exports in lockstep and drops its buckets.
@@ -183,7 +183,7 @@ class LearnerShell:
     def weight_sync_listen(self, world_size: int, bucket_mb: int):
         """nccl transport, step 1: a new private group (NCCL on GPU, gloo on CPU) replaces any
         previous one; binds its store and returns the rendezvous the generators join."""
-        from actors import weight_sync
+        import weights as weight_sync
 
         old, self.broadcaster = getattr(self, "broadcaster", None), None
         if old is not None:

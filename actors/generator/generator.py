@@ -22,7 +22,7 @@ Invariants:
   never waits for the longest response. A waiting `pause()` or `sleep` continues parked requests
   first (they must finish before it returns).
 
-`GeneratorActor` (actors/generator_actor.py, importable from here too) is the thin Ray shell.
+`GeneratorActor` (actors/generator/shell.py, importable from here too) is the thin Ray shell.
 """
 from __future__ import annotations
 
@@ -337,9 +337,9 @@ class Generator:
 
 
 def __getattr__(name: str):
-    """`actors.generator.GeneratorActor` stays importable; the Ray shell lives in actors/generator_actor.py."""
+    """`actors.generator.generator.GeneratorActor` stays importable; the Ray shell lives in actors/generator/shell.py."""
     if name == "GeneratorActor":
-        from actors.generator_actor import GeneratorActor
+        from actors.generator.shell import GeneratorActor
 
         return GeneratorActor
-    raise AttributeError(f"module 'actors.generator' has no attribute {name!r}")
+    raise AttributeError(f"module 'actors.generator.generator' has no attribute {name!r}")

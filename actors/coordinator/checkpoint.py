@@ -1,6 +1,6 @@
 """The coordinator's checkpoints: DeepSpeed state + the data cursor + the ledger, then the HF export.
 
-A mixin of `actors.coordinator.Coordinator`. It uses the coordinator's `cfg`, `run_dir`, `run_id`,
+A mixin of `actors.coordinator.coordinator.Coordinator`. It uses the coordinator's `cfg`, `run_dir`, `run_id`,
 `learner`, `step`, `version`, `cursor`, `ledger`, `train_items` and `log`.
 
 Invariants:
@@ -68,7 +68,7 @@ class Checkpointing:
         return path if (path / "coordinator.json").exists() else None
 
     async def resume_from(self, path: Path) -> None:
-        from actors.coordinator import DataCursor
+        from actors.coordinator.coordinator import DataCursor
 
         state = json.loads((path / "coordinator.json").read_text())
         await call(self.learner, "load", str(path / "learner"))

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from launch.config import (AssemblerConfig, ClusterConfig, CoordinatorConfig, DataConfig, GeneratorConfig,
-                           LearnerConfig, ModelConfig, RunConfig, ScorerConfig)
-from tasks.synthetic import TINY_TEMPLATES
+from config.schema import (AssemblerConfig, ClusterConfig, CoordinatorConfig, DataConfig, GeneratorConfig,
+                     LearnerConfig, ModelConfig, RunConfig, ScorerConfig)
+
+# tasks.synthetic.TINY_TEMPLATES (config/ imports nothing of ours; tests/test_tiny_task.py keeps them equal)
+TINY_TEMPLATES = (0, 1, 3, 4, 5, 6, 8)
 
 RECIPES: dict[str, Callable[[], RunConfig]] = {}
 
@@ -54,7 +56,7 @@ def _bird_base(name: str, model: str) -> RunConfig:
         name=name,
         data=DataConfig(bird_dir="", max_prompt_tokens=8192, sample_values=3, eval_size=0),
         # sdpa: on CUDA the learner picks FlexAttention for its shared-prompt rows (learner.share_prompt,
-        # actors/attention_flex.py); with learner.share_prompt=false, its varlen path (actors/attention.py)
+        # actors/learner/attention_flex.py); with learner.share_prompt=false, its varlen path (actors/learner/attention.py)
         model=ModelConfig(path=model, dtype="bfloat16", attn_implementation="sdpa"),
         generator=GeneratorConfig(engine="vllm", n_samples=16, temperature=1.0, top_p=1.0, max_tokens=4096,
                                   gpu_memory_utilization=0.5, enable_prefix_caching=True, sleep_level=2,
@@ -120,7 +122,7 @@ def gpu1_0p6b() -> RunConfig:
     return cfg
 
 def get_recipe(name: str) -> RunConfig:
-    from launch.config import ConfigError
+    from config.schema import ConfigError
     import difflib
 
     if name not in RECIPES:

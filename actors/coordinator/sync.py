@@ -1,11 +1,11 @@
 """The coordinator's weight-sync handshake: learner -> generators, and resyncing restarted generators.
 
-A mixin of `actors.coordinator.Coordinator` (kept apart so the step loop reads on its own). It uses
+A mixin of `actors.coordinator.coordinator.Coordinator` (kept apart so the step loop reads on its own). It uses
 the coordinator's `cfg`, `learner`, `generators`, `version`, `log` and `_broadcast_rdv`.
 
 Invariants:
 - The coordinator never touches tensors: it drives the transport bucket by bucket
-  (actors/weight_sync.py) and checks every receiver reports the version it was sent.
+  (weights/__init__.py) and checks every receiver reports the version it was sent.
 - A failed sync (a generator died mid-sync; Ray restarts it) is redone from bucket 0, a bounded
   number of times with backoff; an NCCL group is rebuilt whole before the next attempt.
 - A generator Ray restarted (initial weights, or another version) gets the current version alone,
@@ -74,7 +74,7 @@ class WeightSyncHandshake:
         return time.perf_counter() - start
 
     async def _sync_once(self, version: int, generators: list) -> None:
-        from actors.weight_sync import drive_bucketed_sync
+        from weights import drive_bucketed_sync
 
         kind = self.cfg.coordinator.weight_sync
         if kind == "nccl" and len(generators) < len(self.generators):
@@ -109,7 +109,7 @@ class WeightSyncHandshake:
             joined = await asyncio.gather(*(call(g, "weight_sync_group") for g in self.generators))
             if all(j == rdv for j in joined):
                 return
-        from actors.weight_sync import group_layout
+        from weights import group_layout
 
         self._broadcast_rdv = None
         # A generator whose engine loads in k workers (vLLM, tensor parallelism k) takes k ranks.

@@ -26,8 +26,8 @@ Invariants:
 - Every returned metric is a python float, reduced across ranks once per step: token-weighted
   means as (sum of weighted sums) / (sum of weights), maxima as max, totals counted from the batch.
 
-`Learner` is a plain class (importable and testable without Ray); actors/learner_actor.py is the
-thin Ray shell the coordinator talks to, actors/learner_group.py the group of ranks.
+`Learner` is a plain class (importable and testable without Ray); actors/learner/shell.py is the
+thin Ray shell the coordinator talks to, actors/learner/group.py the group of ranks.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from typing import Any, Sequence
 import structlog
 import torch
 
-from actors.learner_engine import LearnerEngine
+from actors.learner.engine import LearnerEngine
 from policies.grpo import policy_loss
 from policies.packing import PackedBatch, pack, plan_micro_batches
 from policies.prefix import group_runs, pack_shared
@@ -157,7 +157,7 @@ class Learner(LearnerEngine):
         # Additive per-rank quantities (summed over ranks once at the end) and maxima.
         tot: dict[str, float] = {"tokens_fwd": 0.0}
         mx: dict[str, float] = {"ratio_max": 0.0}
-        # "auto" unresolved (a LearnerConfig built without launch.config.validate): the legacy tis_cap switch.
+        # "auto" unresolved (a LearnerConfig built without config.validate): the legacy tis_cap switch.
         correction = None if c.correction == "auto" else c.correction
         if use_gen and (correction or ("tis" if c.tis_cap > 0 else "off")) != "off":
             mx["is_weight_max"] = 0.0

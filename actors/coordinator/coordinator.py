@@ -15,12 +15,12 @@ Invariants:
 - Every task the coordinator publishes gets exactly one outcome in the ledger (trained or a
   drop reason), and the per-step counts are in the step's metrics.
 - The coordinator never touches tensors: weights move learner -> generators through
-  actors.weight_sync, driven bucket by bucket from here.
+  weights, driven bucket by bucket from here.
 - A checkpoint holds the learner's state and this cursor (step, version, epoch, position); a
   resumed run continues at the next step with the same data order.
 
-The weight-sync handshake lives in actors/coordinator_sync.py and checkpoints in
-actors/coordinator_checkpoint.py (mixins of Coordinator, with their own invariants).
+The weight-sync handshake lives in actors/coordinator/sync.py and checkpoints in
+actors/coordinator/checkpoint.py (mixins of Coordinator, with their own invariants).
 """
 from __future__ import annotations
 
@@ -31,10 +31,10 @@ from typing import Any
 
 import msgspec
 
-from actors.coordinator_checkpoint import Checkpointing, count_outcomes
-from actors.coordinator_sync import WeightSyncHandshake
+from actors.coordinator.checkpoint import Checkpointing, count_outcomes
+from actors.coordinator.sync import WeightSyncHandshake
 from actors.shell import call
-from launch.config import RunConfig
+from config import RunConfig
 from observe.ray_metrics import export as export_ray_metrics
 from queues.messages import Event, PromptTask, codec
 
@@ -73,7 +73,7 @@ class Coordinator(WeightSyncHandshake, Checkpointing):
     def __init__(self, cfg: RunConfig, run_id: str, run_dir: str, redis_url: str, train_items: list, eval_items: list,
                  *, generators: list, learner: Any, assembler: Any, metrics_logger=None, log=None):
         if cfg.coordinator.weight_sync == "auto":  # the launcher resolves it; a directly built one does here
-            from launch.placement import resolve_weight_sync
+            from config.placement import resolve_weight_sync
 
             cfg.coordinator.weight_sync = resolve_weight_sync(cfg, cfg.cluster.gpus_per_node > 0)
         self.cfg, self.run_id, self.run_dir, self.redis_url = cfg, run_id, Path(run_dir), redis_url

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from launch.config import ConfigError, RunConfig
+from config.schema import ConfigError, RunConfig
 
 
 @dataclass(frozen=True)

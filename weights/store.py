@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 import torch
 
-from actors.weight_sync_base import ReceiverBase, SenderBase, maybe_await
-from actors.weight_sync_wire import (
+from weights.base import ReceiverBase, SenderBase, maybe_await
+from weights.wire import (
     BucketPlan, Expected, ExportWeights, LoadWeights, SyncAbort, SyncSummary, WeightSyncError, decode_message,
     payload_and_plan, payload_to_tensors,
 )

@@ -24,11 +24,11 @@ from typing import Any, Iterator
 import structlog
 import torch
 
-from actors import attention, attention_flex
+from actors.learner import attention, attention_flex
 from actors.dtypes import torch_dtype
-from actors.logprob_head import LogProbHead, apply_liger_kernels, limit_checkpointed_layers, restore_rotary_buffers
-from actors.optimizer_offload import OptimizerStateOffload, offload_optimizer, reload_optimizer
-from launch.config import LearnerConfig, ModelConfig
+from actors.learner.logprob_head import LogProbHead, apply_liger_kernels, limit_checkpointed_layers, restore_rotary_buffers
+from actors.learner.optimizer_offload import OptimizerStateOffload, offload_optimizer, reload_optimizer
+from config import LearnerConfig, ModelConfig
 from policies.packing import PackedBatch
 
 log = structlog.get_logger("arctic_rl.learner")

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from launch.config import ConfigError, RunConfig
+from config.schema import ConfigError, RunConfig
 
 GIB = float(1 << 30)
 CUDA_CONTEXT_GIB = 0.5

@@ -1,5 +1,5 @@
 """GeneratorShell: the thin Ray shell (an async actor; `GeneratorActor` is its Ray class) over one
-actors.generator.Generator.
+actors.generator.generator.Generator.
 
 Invariants:
 - It takes the node-local GPU ids of its engine's bundles (`device_ids`, from the placement) and
@@ -16,7 +16,7 @@ from typing import Any
 
 import structlog
 
-from actors.generator import Generator
+from actors.generator.generator import Generator
 from queues.errors import one_line
 
 log = structlog.get_logger("arctic_rl.generator")
@@ -132,7 +132,7 @@ class GeneratorShell:
     async def weight_sync_join(self, rendezvous: Any, rank: int) -> None:
         """nccl transport: joins the learner's private group (concurrently with every other rank).
         An engine with its own workers (vLLM) joins from each worker, as ranks rank, rank+1, ..."""
-        from actors.weight_sync_broadcast import BroadcastReceiver
+        from weights.broadcast import BroadcastReceiver
 
         old, self._broadcast, self._broadcast_rdv = self._broadcast, None, None
         if old is not None and old != "engine":
@@ -166,10 +166,10 @@ class GeneratorShell:
         return got
 
     async def weight_sync_receive(self, message: Any, kind: str = "object_store") -> int | None:
-        """One bucket (or the closing summary) of a bucketed sync; see actors.weight_sync."""
+        """One bucket (or the closing summary) of a bucketed sync; see weights."""
         in_workers = self.gen.engine.loads_in_workers
         if getattr(self, "_receiver_kind", None) != (kind, in_workers):
-            from actors.weight_sync import make_receiver
+            from weights import make_receiver
 
             self._receiver = make_receiver(kind, self.gen.load_weights, self.gen.engine if in_workers else None)
             self._receiver_kind = (kind, in_workers)

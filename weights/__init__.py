@@ -1,6 +1,6 @@
 """Weight sync: the learner's weights into every generator's engine, one bounded bucket at a time.
 
-This module is the one name callers import (``from actors import weight_sync``); the code lives
+This module is the one name callers import (``import weights as weight_sync``); the code lives
 in one file per concern, each with its invariants in its docstring:
 
 - ``weight_sync_wire``: the wire format every transport shares (``BucketPlan`` header + one flat
@@ -20,14 +20,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.weight_sync_base import ReceiverBase, SenderBase, drive_bucketed_sync, maybe_await
-from actors.weight_sync_broadcast import BroadcastReceiver, BroadcastSender, Rendezvous, group_layout, node_ip
-from actors.weight_sync_ipc import (
+from weights.base import ReceiverBase, SenderBase, drive_bucketed_sync, maybe_await
+from weights.broadcast import BroadcastReceiver, BroadcastSender, Rendezvous, group_layout, node_ip
+from weights.ipc import (
     CudaIpcBucket, CudaIpcReceiver, CudaIpcSender, device_uuid, ipc_message_from_bytes, ipc_message_to_bytes,
     load_ipc_bucket, merge_ipc_buckets, open_ipc_buffers, select_ipc_handles, visible_cuda_uuids,
 )
-from actors.weight_sync_store import ObjectStoreBucket, ObjectStoreReceiver, ObjectStoreSender
-from actors.weight_sync_wire import (
+from weights.store import ObjectStoreBucket, ObjectStoreReceiver, ObjectStoreSender
+from weights.wire import (
     DTYPES, MB, WEIGHT_SYNC_SCHEMA, BucketPlan, Expected, ExportWeights, LoadWeights, NamedTensors, SyncAbort,
     SyncMessage, SyncSummary, TensorMeta, WeightSyncError, bucket_to_payload, decode_message, dtype_name,
     encode_message, expected_from_named, flatten_bucket, iter_buckets, normalise_expected, payload_and_plan,

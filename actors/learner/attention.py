@@ -3,7 +3,7 @@
 A packed micro-batch is one row [1, T] holding whole samples back to back (policies/packing.py).
 Attention must not cross sample boundaries. With learner.share_prompt (the default) a row holds each
 group's prompt once and its responses after it (policies/prefix.py): only "prefix_flex"
-(actors/attention_flex.py, CUDA) and the dense mask below express that, and
+(actors/learner/attention_flex.py, CUDA) and the dense mask below express that, and
 `select_attn_implementation` picks them. Without it, the implementations in order of preference:
 
 - flash_attention_2/3 (transformers' own, needs the flash_attn package): varlen from position_ids.
@@ -49,7 +49,7 @@ def select_attn_implementation(requested: str, device: torch.device | str, share
     """The attention implementation the learner builds its model with.
 
     With `share_prompt` (learner.share_prompt: rows whose responses share a prompt, policies/prefix.py):
-    "sdpa" / "auto" become "prefix_flex" (actors/attention_flex.py) on CUDA and stay "sdpa" with the
+    "sdpa" / "auto" become "prefix_flex" (actors/learner/attention_flex.py) on CUDA and stay "sdpa" with the
     dense mask elsewhere; flash / "varlen" cannot express the mask: a ValueError naming the field.
     Without it:
 
@@ -66,7 +66,7 @@ def select_attn_implementation(requested: str, device: torch.device | str, share
                              f"(responses sharing a prompt); use sdpa or auto (flex on CUDA, the dense mask on CPU), "
                              f"or learner.share_prompt=false")
         if requested in ("sdpa", "auto"):
-            from actors.attention_flex import flex_available
+            from actors.learner.attention_flex import flex_available
 
             return FLEX if dev.type == "cuda" and flex_available() else "sdpa"
         return requested

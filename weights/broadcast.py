@@ -28,8 +28,8 @@ from typing import Any, Mapping
 
 import torch
 
-from actors.weight_sync_base import ReceiverBase, SenderBase
-from actors.weight_sync_wire import (
+from weights.base import ReceiverBase, SenderBase
+from weights.wire import (
     BucketPlan, Expected, ExportWeights, LoadWeights, SyncAbort, SyncSummary, WeightSyncError, decode_message,
     encode_message, flatten_bucket, unflatten_bucket,
 )
@@ -73,7 +73,7 @@ def node_ip() -> str:
 
 def bind_store(host: str, world_size: int, timeout: datetime.timedelta) -> Any:
     """A TCPStore server (is_master) on `host` alone, on a free port (read it from `.port`); also the
-    learner group's rendezvous (actors/learner_group.py).
+    learner group's rendezvous (actors/learner/group.py).
 
     torch's TCPStore server would listen on every interface: it is handed a socket bound to
     this node's address alone (127.0.0.1 in a local run); the store owns it. Raises OSError.

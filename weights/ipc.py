@@ -27,8 +27,8 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import torch
 
-from actors.weight_sync_base import ReceiverBase, SenderBase, maybe_await
-from actors.weight_sync_wire import (
+from weights.base import ReceiverBase, SenderBase, maybe_await
+from weights.wire import (
     BucketPlan, Expected, ExportWeights, LoadWeights, SyncAbort, SyncSummary, WeightSyncError, decode_message,
     encode_message, flatten_bucket, unflatten_bucket,
 )

@@ -14,7 +14,7 @@ Invariants:
   rank finished the step, so a rank that dies mid-step leaves it pending for the resumed run.
 - Weight export under ZeRO-3 is collective: every rank iterates its export in lockstep and only
   rank 0's buckets leave (object_store, nccl); with cuda_ipc every rank sends for its own GPU and
-  the per-rank buckets are merged into one message (`actors.weight_sync.merge_ipc_buckets`).
+  the per-rank buckets are merged into one message (`weights.merge_ipc_buckets`).
 
 The group is a plain picklable object (actor handles and numbers), so it travels to the
 coordinator actor like a single handle did.
@@ -40,7 +40,7 @@ JOIN_TIMEOUT_S = 1800.0  # create(): every rank built its learner (model load + 
 
 def bind_store(world_size: int, timeout_s: float = COLLECTIVE_TIMEOUT_S, host: str | None = None):
     """Rank 0: the world's TCPStore on this node's address alone, on a free port. Returns (store, host, port)."""
-    from actors import weight_sync_broadcast as wsb
+    from weights import broadcast as wsb
 
     host = host or wsb.node_ip()
     try:
@@ -91,7 +91,7 @@ class LearnerGroup:
         """
         import ray
 
-        from actors.learner_actor import LearnerActor
+        from actors.learner.shell import LearnerActor
 
         n = int(cfg.learner.num_ranks)
         if n < 1:
@@ -206,7 +206,7 @@ class LearnerGroup:
         outs = await asyncio.gather(*(r.weight_sync_next.remote() for r in ranks))
         if kind != "cuda_ipc":
             return outs[0]  # the other ranks only took part in the gathers
-        from actors.weight_sync import merge_ipc_buckets
+        from weights import merge_ipc_buckets
 
         return merge_ipc_buckets(list(outs))
 

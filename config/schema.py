@@ -1,0 +1,233 @@
+"""The whole run as typed msgspec Structs: one section per component, every field typed, with a default.
+
+Invariants:
+- Every field has a type and a default that makes sense; unknown keys are refused (forbid_unknown_fields).
+- Nested dict fields (engine kwargs) stay plain dicts all the way into the engines.
+- Nothing here imports another package of this project (config/ is the ground floor), nor Ray.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+# Attention implementations by name (the learner registers VARLEN and FLEX with transformers).
+FLASH_ATTENTION_IMPLS = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn",
+                         "kernels-community/flash-attn3")
+VARLEN = "varlen"  # actors/learner/attention.py registers it with transformers' AttentionInterface
+FLEX = "prefix_flex"  # actors/learner/attention_flex.py registers it (FlexAttention, segment + branch block mask)
+
+
+def expresses_shared_prefix(attn_implementation: str) -> bool:
+    """Whether the implementation can run policies/prefix.py's shared rows (branch ids): flex and the
+    dense mask can; flash / varlen cut a row into segments only."""
+    return attn_implementation not in FLASH_ATTENTION_IMPLS and attn_implementation != VARLEN
+
+
+class ConfigError(ValueError):
+    """A one-line, user-facing configuration error."""
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class DataConfig(_Section):
+    bird_dir: str = ""  # BIRD layout: train.json / dev.json + <split>_databases/
+    train_split: str = "train"
+    eval_split: str = "dev"
+    synthetic: bool = False  # build a synthetic BIRD-like task under the run dir (tiny)
+    synthetic_databases: int = 4
+    synthetic_questions: int = 400
+    synthetic_seed: int = 0
+    synthetic_templates: list[int] = []  # tasks.synthetic.TEMPLATES indices to draw from ([]: all)
+    # >0: the dev split is asked on this many databases of its own (held out: never trained on)
+    synthetic_held_out_databases: int = 0
+    synthetic_dev_fraction: float = 0.2  # share of questions (of question texts, when held out) for dev
+    max_prompt_tokens: int = 4096  # prompts over this budget are dropped at load time (counted)
+    sample_values: int = 3  # sample values per column shown in the schema
+    eval_size: int = 64  # held-out prompts per periodic eval (0: the whole eval split)
+    eval_samples: int = 0  # >0: also sample this many per held-out prompt at the training temperature
+    shuffle_seed: int = 1234
+    limit: int = 0  # use only the first N training questions (0: all)
+
+
+class ModelConfig(_Section):
+    path: str = ""  # local directory or hub id; "" with source="tiny" builds one
+    source: Literal["path", "tiny"] = "path"
+    tokenizer: str = ""  # defaults to path
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+    allow_download: bool = False  # nothing is downloaded unless the user allows it
+    # Shape of the model built when source="tiny".
+    tiny_hidden_size: int = 64
+    tiny_layers: int = 2
+    tiny_heads: int = 4
+    tiny_kv_heads: int = 2
+    tiny_intermediate_size: int = 128
+    tiny_vocab_size: int = 512
+    tiny_sft_steps: int = 0  # supervised warm-start on gold SQL before RL (tiny only)
+    tiny_sft_lr: float = 3e-3
+    tiny_sft_batch: int = 16  # pairs per warm-start step
+    # Share of warm-start targets replaced by their template's slip (tasks.synthetic.SLIPS), drawn anew
+    # each time a pair is drawn: the warm policy then samples the gold answer only part of the time
+    tiny_sft_slip: float = 0.0
+
+
+class GeneratorConfig(_Section):
+    engine: Literal["vllm", "transformers", "simulated"] = "vllm"
+    num_engines: int = 1
+    tensor_parallel_size: int = 1
+    n_samples: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 4096
+    stop: list[str] = []
+    max_inflight_prompts: int = 64
+    gpu_memory_utilization: float = 0.5
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    sleep_level: int = 2  # 2 releases weights and KV cache (required at 32B colocated)
+    seed: int = 0
+    device: str = "auto"  # transformers engine: "cpu", "cuda" or "auto"
+    max_batch_prompts: int = 16  # transformers engine: prompts batched into one generate
+    # Async mode: at a weight update engines interrupt in-flight requests, load the new weights and
+    # continue them from their tokens (a sample's tokens may span versions). false: the boundary waits
+    # for every in-flight request, as colocated mode always does.
+    partial_rollouts: bool = True
+    pause_timeout_s: float = 600.0  # a pause (sleep, weight update) waits at most this long for in-flight
+    # requests, then aborts them: they are published as failed groups, never hang the run
+    engine_kwargs: dict[str, Any] = {}  # passed to the engine as a plain (deep-converted) dict
+    num_cpus: float = 1.0  # Ray CPU request per generator actor
+
+
+class ScorerConfig(_Section):
+    num_scorers: int = 1
+    workers: int = 8  # processes in each scorer's pool
+    timeout_s: float = 30.0  # per query, enforced inside SQLite
+    max_rows: int = 100_000  # a result over this is the verdict "too_many_rows"
+    memory_mb: int = 2048  # address-space limit per worker process
+    temp_store_mb: int = 256  # in-memory temp storage cap per connection
+    gold_cache_size: int = 4096
+    num_cpus: float = 0.25
+
+
+class AssemblerConfig(_Section):
+    normalize_std: bool = True  # divide advantages by the group std (+eps)
+    filter_zero_variance: bool = True  # drop groups whose rewards are all equal
+    replace_filtered: bool = False  # ask the coordinator for replacement prompts
+    max_staleness: int = 0  # admit groups at most this many versions old
+    micro_batch_tokens: int = 16_384  # token budget of one packed micro-batch
+    minibatches_per_step: int = 1  # optimizer steps per update epoch
+    # Plan micro-batches with each group's prompt counted once (policies/prefix.py). Not a user key:
+    # validate() sets it from learner.share_prompt, the one source of truth.
+    share_prompt: bool = False
+    num_cpus: float = 0.25
+
+
+class LearnerConfig(_Section):
+    zero_stage: int = 0
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    lr: float = 1e-6
+    warmup_ratio: float = 0.0
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    betas: list[float] = msgspec.field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    update_epochs: int = 1
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    tis_cap: float = 0.0  # legacy: >0 is correction="tis" with this cap
+    # Importance weight from the learner's proximal log-probs to the sampler's (policies/offpolicy.py):
+    # "tis" truncated at correction_cap, "mis" tokens outside [1/cap, cap] masked, "mis_seq" whole
+    # samples masked by their geometric-mean ratio, "off" no weight. "auto": see resolve_correction.
+    correction: Literal["auto", "tis", "mis", "mis_seq", "off"] = "auto"
+    correction_cap: float = 2.0
+    use_liger: bool = False  # CUDA: liger's fused linear-CE log-prob head (logits never materialised)
+    # Each (part of a) group's prompt computed once per packed row, its responses after it, exact
+    # log-probs (policies/prefix.py); attention: flex on CUDA, the dense mask on CPU. Measured 2.34x the
+    # samples/s of the unshared varlen path on the H200 (1.7B, BIRD shapes), 3.3x on CPU at tiny's
+    # (docs/perf/h200.md, docs/perf/learner.md). false: one prompt copy per sample (varlen / flash allowed).
+    share_prompt: bool = True
+    liger_kernels: bool = True  # with use_liger: also liger's RoPE / RMSNorm / SwiGLU kernels in the model
+    gradient_checkpointing: bool = False
+    # With gradient_checkpointing: how many decoder layers (the first N) recompute their activations
+    # in backward; the rest keep them. -1: every layer. Trades memory for speed between the two ends.
+    checkpoint_layers: int = -1
+    offload_optimizer: bool = False
+    device: str = "auto"
+    ds_config: dict[str, Any] = {}  # merged over the generated DeepSpeed config
+    num_cpus: float = 1.0  # Ray CPU request per learner rank
+    num_gpus: float = 0.0
+    # Learner ranks (one process each, one torch.distributed world, DeepSpeed data parallel). On CPU
+    # this many processes over gloo; on GPU recipes the placement's world size decides.
+    num_ranks: int = 1
+
+
+class CoordinatorConfig(_Section):
+    mode: Literal["colocated", "async"] = "colocated"
+    steps: int = 100
+    prompts_per_step: int = 32
+    # auto: what the placement implies (config/placement.py): cuda_ipc colocated on GPUs, nccl async on
+    # GPUs, object_store on CPU; an explicit transport the placement cannot carry is a ConfigError
+    weight_sync: Literal["auto", "object_store", "cuda_ipc", "nccl"] = "auto"
+    weight_bucket_mb: int = 512
+    checkpoint_every: int = 0  # 0: never (a final checkpoint is still written)
+    keep_checkpoints: int = 3  # DeepSpeed checkpoints kept (newest, and always the latest; 0: all)
+    keep_exports: int = 3  # HF exports under hf/ kept (the newest; 0: all): a 32B export is ~64 GB
+    eval_every: int = 0  # 0: never
+    resume: bool = False
+    step_timeout_s: float = 3600.0
+    time_budget_s: float = 0.0  # stop after this many seconds of training (0: no budget)
+    num_cpus: float = 0.25
+
+
+class ClusterConfig(_Section):
+    ray_address: str = ""  # "" -> $RAY_ADDRESS, else a local cluster
+    redis_url: str = ""  # "" -> $REDIS_URL, else an embedded redis-server
+    num_nodes: int = 1
+    gpus_per_node: int = 0
+    gpu_memory_gib: float = 80.0  # per GPU, for the --dry-run memory plan
+    num_cpus: int = 0  # local cluster CPUs (0: all)
+    dashboard_host: str = "127.0.0.1"
+    ray_loopback: bool = True  # a local cluster's own servers (GCS, raylet, workers, agents) on loopback only;
+    # false: Ray's default (the host's address, all interfaces), e.g. to let other nodes join it
+    redis_persistence: bool = False  # embedded Redis with AOF (survives restarts)
+    placement_timeout_s: float = 120.0  # the run's placement groups must be ready within this (else one line)
+    stream_high_water: int = 4096  # publish waits while a stage's backlog is above this
+    reclaim_idle_s: float = 30.0  # messages pending this long on a consumer are reclaimed
+    # The learner or coordinator died (Ray restarts the other actors itself): tear the run's actors
+    # down and start them again from the latest checkpoint, as coordinator.resume=true would, at
+    # most this many times per launch. 0: the launch fails and a relaunch with resume is manual.
+    max_relaunches: int = 2
+
+
+class LoggingConfig(_Section):
+    level: str = "info"
+    console: bool = True
+    wandb: bool = False
+    wandb_project: str = "arctic-rl"
+    wandb_entity: str = ""
+
+
+class RunConfig(_Section):
+    name: str = "run"
+    run_id: str = ""  # "" -> "<name>-<timestamp>"; streams are keyed arl:<run_id>:<stage>
+    run_root: str = "runs"
+    seed: int = 0  # the model's init and warm start; `seed=S` given as an override also sets data.synthetic_seed and generator.seed (unless they are given)
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    generator: GeneratorConfig = msgspec.field(default_factory=GeneratorConfig)
+    scorer: ScorerConfig = msgspec.field(default_factory=ScorerConfig)
+    assembler: AssemblerConfig = msgspec.field(default_factory=AssemblerConfig)
+    learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
+    coordinator: CoordinatorConfig = msgspec.field(default_factory=CoordinatorConfig)
+    cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
+    logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+
+

@@ -1,0 +1,145 @@
+"""Validation: a RunConfig checked once at start, cross-field rules, and every `auto` resolved.
+
+Invariants:
+- A type error is a one-line ConfigError naming the user's dotted key.
+- Off-policy correction is on unless a user turned it off: `validate` replaces
+  `learner.correction="auto"` by what the run needs (`resolve_correction`), so the config a run
+  prints and saves says which correction the learner applies. An explicit "off" where generation
+  can be off-policy (async with max_staleness > 0, or an engine other than the learner's numerics)
+  is accepted with a logged warning.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+
+from config.schema import ConfigError, RunConfig, expresses_shared_prefix
+
+log = logging.getLogger("config")
+
+
+def validate(data: dict) -> RunConfig:
+    """Builtins -> RunConfig, with a one-line error naming the bad key."""
+    try:
+        cfg = msgspec.convert(data, RunConfig, strict=False)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        # msgspec says "... - at `$.learner.lr`"; turn the path into the user's dotted key.
+        if "- at `$." in msg:
+            text, path = msg.rsplit("- at `$.", 1)
+            raise ConfigError(f"config key {path.rstrip('`')!r}: {text.strip()}") from None
+        raise ConfigError(f"config: {msg}") from None
+    check(cfg)
+    cfg.learner.correction, cfg.learner.correction_cap = resolve_correction(cfg)
+    cfg.assembler.share_prompt = cfg.learner.share_prompt
+    return cfg
+
+
+def may_be_off_policy(cfg: RunConfig) -> str:
+    """Why the sampler's log-probs can differ from the learner's proximal ones ("" if they cannot)."""
+    if cfg.coordinator.mode == "async" and cfg.assembler.max_staleness > 0:
+        return f"async with assembler.max_staleness={cfg.assembler.max_staleness}"
+    if cfg.generator.engine != "transformers":
+        return f"generator.engine={cfg.generator.engine!r} samples with other kernels than the learner"
+    if cfg.model.dtype != cfg.learner.dtype:
+        return f"the engine runs {cfg.model.dtype}, the learner {cfg.learner.dtype}"
+    return ""
+
+
+def resolve_correction(cfg: RunConfig) -> tuple[str, float]:
+    """(mode, cap) the learner applies: an explicit learner.correction as given; "auto" is the legacy
+    tis_cap when set, else "tis" at correction_cap whenever may_be_off_policy, else "off"."""
+    lc = cfg.learner
+    if lc.correction != "auto":
+        return lc.correction, lc.correction_cap
+    if lc.tis_cap > 0:
+        return "tis", lc.tis_cap
+    return ("tis" if may_be_off_policy(cfg) else "off"), lc.correction_cap
+
+
+def check(cfg: RunConfig) -> None:
+    """Cross-field rules that types alone cannot express."""
+    def need(cond: bool, key: str, why: str) -> None:
+        if not cond:
+            raise ConfigError(f"config key {key!r}: {why}")
+
+    need(cfg.generator.n_samples >= 1, "generator.n_samples", "must be >= 1")
+    need(cfg.generator.temperature >= 0, "generator.temperature", "must be >= 0")
+    need(0 < cfg.generator.top_p <= 1, "generator.top_p", "must be in (0, 1]")
+    need(cfg.generator.max_tokens >= 1, "generator.max_tokens", "must be >= 1")
+    need(cfg.generator.sleep_level in (1, 2), "generator.sleep_level", "must be 1 or 2")
+    need(cfg.learner.zero_stage in (0, 1, 2, 3), "learner.zero_stage", "must be 0, 1, 2 or 3")
+    need(len(cfg.learner.betas) == 2, "learner.betas", "needs two values, e.g. 0.9,0.95")
+    need(cfg.learner.update_epochs >= 1, "learner.update_epochs", "must be >= 1")
+    need(cfg.learner.lr > 0, "learner.lr", "must be > 0")
+    need(cfg.learner.checkpoint_layers >= -1, "learner.checkpoint_layers", "must be -1 (every layer) or >= 0")
+    need(0 <= cfg.learner.warmup_ratio < 1, "learner.warmup_ratio", "must be in [0, 1)")
+    need(cfg.learner.num_ranks >= 1, "learner.num_ranks", "must be >= 1")
+    need(cfg.coordinator.prompts_per_step >= 1, "coordinator.prompts_per_step", "must be >= 1")
+    need(cfg.coordinator.steps >= 0, "coordinator.steps", "must be >= 0")
+    need(cfg.coordinator.keep_checkpoints >= 0, "coordinator.keep_checkpoints", "must be >= 0 (0 keeps all)")
+    need(cfg.coordinator.keep_exports >= 0, "coordinator.keep_exports", "must be >= 0 (0 keeps all)")
+    need(cfg.assembler.max_staleness >= 0, "assembler.max_staleness", "must be >= 0")
+    need(cfg.assembler.micro_batch_tokens >= 16, "assembler.micro_batch_tokens", "must be >= 16")
+    need(cfg.assembler.minibatches_per_step >= 1, "assembler.minibatches_per_step", "must be >= 1")
+    need(cfg.scorer.workers >= 1, "scorer.workers", "must be >= 1")
+    need(cfg.cluster.max_relaunches >= 0, "cluster.max_relaunches", "must be >= 0")
+    need(cfg.scorer.timeout_s > 0, "scorer.timeout_s", "must be > 0")
+    need(cfg.generator.pause_timeout_s > 0, "generator.pause_timeout_s", "must be > 0")
+    if cfg.learner.correction in ("mis", "mis_seq"):
+        need(cfg.learner.correction_cap > 1, "learner.correction_cap", "must be > 1 for masked correction "
+             "(tokens with ratios in [1/cap, cap] are kept)")
+    need(cfg.learner.correction_cap > 0, "learner.correction_cap", "must be > 0")
+    need(cfg.learner.tis_cap >= 0, "learner.tis_cap", "must be >= 0")
+    need(cfg.learner.tis_cap == 0 or cfg.learner.correction in ("auto", "tis"), "learner.tis_cap",
+         f"is the legacy switch for correction='tis'; with learner.correction={cfg.learner.correction!r} leave it 0 "
+         "and set learner.correction_cap")
+    why = may_be_off_policy(cfg)
+    if cfg.learner.correction == "off" and why:
+        log.warning("learner.correction='off' although generation is off-policy (%s): the loss is not "
+                    "corrected for the behaviour policy", why)
+    if cfg.learner.share_prompt:
+        need(expresses_shared_prefix(cfg.model.attn_implementation), "model.attn_implementation",
+             f"{cfg.model.attn_implementation!r} cannot express learner.share_prompt's mask (responses sharing a "
+             "prompt); use sdpa or auto (flex on CUDA, the dense mask on CPU), or learner.share_prompt=false")
+    need(cfg.coordinator.mode == "async" or cfg.assembler.max_staleness == 0,
+         "assembler.max_staleness", "must be 0 in colocated mode (generation is on-policy)")
+
+
+def check_inputs(cfg: RunConfig) -> None:
+    """What a real run needs beyond a valid config (not needed by --dry-run or --print-config)."""
+    if cfg.model.source != "tiny" and not cfg.model.path:
+        raise ConfigError("config key 'model.path': is required (a local directory or a hub id)")
+    if cfg.generator.engine == "simulated":
+        raise ConfigError("config key 'generator.engine': 'simulated' is for benchmarks only (random tokens, no "
+                          "model); a training run needs 'vllm' or 'transformers'")
+    if not cfg.data.synthetic and not cfg.data.bird_dir:
+        raise ConfigError("config key 'data.bird_dir': is required (the directory holding train.json / dev.json)")
+    check_attention(cfg)
+    check_multi_node(cfg)
+
+
+def check_multi_node(cfg: RunConfig) -> None:
+    """Several nodes need one Redis every node reaches: the embedded redis-server is a unix socket."""
+    import os
+
+    if cfg.cluster.num_nodes > 1 and not (cfg.cluster.redis_url or os.environ.get("REDIS_URL")):
+        raise ConfigError(f"config key 'cluster.redis_url': cluster.num_nodes={cfg.cluster.num_nodes} needs a Redis "
+                          "every node reaches (set REDIS_URL=redis://host:port or cluster.redis_url); the embedded "
+                          "redis-server listens on a unix socket of this machine only")
+
+
+def check_attention(cfg: RunConfig) -> None:
+    """flash_attention_2 only where flash-attn imports (the learner's varlen path needs nothing)."""
+    import importlib.util
+
+    if cfg.model.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError("config key 'model.attn_implementation': flash_attention_2 needs the flash-attn package, "
+                          "which does not import here; use sdpa (the learner's varlen path on CUDA) or varlen")
+
+
+def to_dict(cfg: Any) -> dict:
+    """A config section as plain builtins (what engines receive)."""
+    return msgspec.to_builtins(cfg)
