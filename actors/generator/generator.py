@@ -210,7 +210,9 @@ class Generator:
             return self._error_group(task, f"task {task.task_id}: generation failed: {one_line(e)}", queued_at)
         group.generator_id = self.generator_id
         group.queued_at = queued_at
-        if all(s.finish_reason == "abort" for s in group.samples) and group.samples:
+        if any(s.finish_reason == "abort" for s in group.samples):
+            # One aborted sample is cut short by the abort, not by the model: its reward and the
+            # group's baseline would be wrong, so the whole group fails (its prompt is accounted for).
             group.error = f"task {task.task_id}: aborted"
         self._last_finish = time.time()
         return group
