@@ -163,3 +163,34 @@ def zero3_gather_gib(cfg: RunConfig, shape: ModelShape) -> float:
 def kv_bytes_per_token(shape: ModelShape, tp: int, bytes_per: int) -> int:
     kv_heads_per_gpu = max(1, math.ceil(shape.num_kv_heads / tp))
     return 2 * shape.num_layers * kv_heads_per_gpu * shape.head_dim * bytes_per
+
+
+def fp32_masters_gib(cfg: RunConfig, n_params: int, world: int) -> float:
+    """The fp32 master weights of bf16 mixed precision (part of the optimizer's 12 bytes per parameter),
+    which DeepSpeed allocates when the learner is built; ZeRO-1+ divides them by the world. 0 in fp32."""
+    if cfg.learner.dtype != "bfloat16":
+        return 0.0
+    return 4 * n_params / (world if cfg.learner.zero_stage >= 1 else 1) / GIB
+
+
+def startup_and_checkpoint_phases(cfg: RunConfig, generation: dict[str, float], optimizer_gib: float,
+                                  masters_gib: float) -> dict[str, dict[str, float]]:
+    """Colocated engine+learner GPU: the phases besides the step's (launch/place.py, the coordinator).
+
+    start-up   : the engine starts (its whole fraction) while the learner is built: the generation phase
+                 plus the learner's fp32 masters, which stay on the device until its first sleep (with
+                 learner.offload_optimizer; without, they are in the generation phase already). The warm
+                 start then runs with the engines asleep (a training phase) and the learner sleeps before
+                 the first generation, so neither adds a peak.
+    checkpoint : a mid-run checkpoint (coordinator.checkpoint_every < steps) wakes the learner (its
+                 offloaded optimizer back on the device) while the engines generate the next step; the
+                 final checkpoint runs with the engines asleep. Only with learner.offload_optimizer.
+    Only the phases that differ from generation are returned."""
+    out: dict[str, dict[str, float]] = {}
+    if cfg.learner.offload_optimizer and masters_gib > 0:
+        out["start-up"] = {**generation, "learner fp32 masters (till sleep)": masters_gib}
+    co = cfg.coordinator
+    if cfg.learner.offload_optimizer and 0 < co.checkpoint_every < co.steps:
+        out["checkpoint"] = {**generation, "learner optimizer (saving)": optimizer_gib}
+    return out
+

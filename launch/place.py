@@ -17,12 +17,13 @@ relaunch places afresh. CPU recipes use no group; their CPU requests must fit th
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 from actors.shell import ray_actor
 from config import RunConfig
-from launch.warm_start import warm_start
+from launch.warm_start import warm_start, will_warm_start
 
 RESTART = dict(max_restarts=-1, max_task_retries=-1)
 
@@ -93,19 +94,35 @@ def _drive(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_pat
     import ray
 
     from actors.coordinator.coordinator import Coordinator
-    from launch.progress import Progress
 
     learner, generators, scorers, assembler = actors
     hw = cfg.cluster.stream_high_water
-    loops = [g.run.remote(redis_url, run_id, f"generator-{i}") for i, g in enumerate(generators)]
-    loops += [s.run.remote(redis_url, run_id, hw) for s in scorers]
-    ray.get(assembler.start.remote(redis_url, run_id, hw))
-    asyncio.run(learner.connect(redis_url, run_id))
+    loops: list = []
+    coordinator = None
+    try:
+        loops += [g.run.remote(redis_url, run_id, f"generator-{i}") for i, g in enumerate(generators)]
+        loops += [s.run.remote(redis_url, run_id, hw) for s in scorers]
+        ray.get(assembler.start.remote(redis_url, run_id, hw))
+        asyncio.run(learner.connect(redis_url, run_id))
+        coordinator = ray_actor(Coordinator).options(name=f"{names}:coordinator", max_concurrency=8,
+                                                      **actor_options(placement.actor("coordinator"), groups)).remote(
+            cfg, run_id, str(run_dir), redis_url, train_items, eval_items, generators=generators, learner=learner,
+            assembler=assembler, metrics_logger=None)
+        return _drive_coordinator(cfg, run_id, run_dir, model_path, train_items, log, learner, generators,
+                                  coordinator, loops)
+    finally:
+        stop_actors(names, generators, scorers, assembler, learner, coordinator, loops, log)
 
-    coordinator = ray_actor(Coordinator).options(name=f"{names}:coordinator", max_concurrency=8,
-                                                  **actor_options(placement.actor("coordinator"), groups)).remote(
-        cfg, run_id, str(run_dir), redis_url, train_items, eval_items, generators=generators, learner=learner,
-        assembler=assembler, metrics_logger=None)
+
+def _drive_coordinator(cfg: RunConfig, run_id: str, run_dir: Path, model_path: str, train_items: list, log, learner,
+                       generators: list, coordinator, loops: list) -> dict[str, Any]:
+    """Warm start (or resume), the initial sync, then the coordinator's loop to its end, watching the
+    stream loops (one that ends on its own is an error)."""
+    import ray
+
+    from actors.coordinator.coordinator import Coordinator
+    from launch.progress import Progress
+
     ray.get(coordinator.attach_metrics.remote(str(run_dir), cfg.logging.console, {
         "enabled": cfg.logging.wandb, "project": cfg.logging.wandb_project, "entity": cfg.logging.wandb_entity,
         "name": run_id}))
@@ -114,29 +131,96 @@ def _drive(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_pat
         log.info("resuming", checkpoint=str(latest))
         ray.get(coordinator.resume_from.remote(latest))
     else:
+        if cfg.coordinator.mode == "colocated" and will_warm_start(cfg):
+            # The warm start trains with the engines asleep (weights and KV released), never beside a
+            # resident engine: the device's start-up peak stays that of a training step, not both at once.
+            ray.get([g.sleep.remote(cfg.generator.sleep_level) for g in generators])
         sft = warm_start(cfg, learner, train_items, model_path, log)
         ray.get(coordinator.initial_sync.remote(sft))
     done = coordinator.run.remote()
     metrics = run_dir / "metrics.jsonl"  # a resumed run prints only its own rows
     progress = Progress(run_dir, cfg.coordinator.steps,
                         seen=len(metrics.read_text().splitlines()) if cfg.coordinator.resume and metrics.exists() else 0)
-    try:
-        while True:
-            ready, _ = ray.wait([done] + loops, timeout=1.0)
-            progress.print_new()
-            if done in ready:
-                break
-            for ref in ready:  # a stream loop that ended on its own is an error
-                ray.get(ref)
-        summary = ray.get(done)
+    while True:
+        ready, _ = ray.wait([done] + loops, timeout=1.0)
         progress.print_new()
-        return summary
-    finally:
-        for actor in [*generators, *scorers]:
-            try:
-                actor.stop.remote()
-            except Exception:  # noqa: BLE001
-                pass
+        if done in ready:
+            break
+        for ref in ready:  # a stream loop that ended on its own is an error
+            ray.get(ref)
+    summary = ray.get(done)
+    progress.print_new()
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# Orderly end: consumers stopped and drained, engines closed, every actor killed for good
+
+
+def stop_actors(names: str, generators: list, scorers: list, assembler, learner, coordinator, loops: list, log,
+                timeout_s: float = 30.0) -> dict[str, Any]:
+    """Ends a run's actors in order, before their placement groups go (and before ray.shutdown):
+    the consumers stop pulling (generators, scorers, the assembler) and their loops return (bounded by
+    `timeout_s`: what is left is in Redis for a resumed run), the engines close (vLLM's engine core
+    exits with its own shutdown), then every actor of the run is killed with no_restart and none is
+    left alive. Removing a placement group under live restartable actors instead restarts them and
+    fails their running tasks ("Task ... failed ... The actor was restarted" from the raylet) and can
+    leave them pending in a cluster the run joined. Never raises (teardown goes on); logs one line."""
+    import ray
+
+    t0 = time.monotonic()
+    consumers = [a for a in [*generators, *scorers, assembler] if a is not None]
+    out: dict[str, Any] = {"loops": len(loops)}
+    try:
+        stops = [a.stop.remote() for a in consumers]
+        ray.wait(stops, num_returns=len(stops), timeout=timeout_s)
+        done, _ = ray.wait(loops, num_returns=len(loops), timeout=max(0.0, timeout_s - (time.monotonic() - t0)))
+        out["loops_drained"] = len(done)
+        closes = [g.close.remote() for g in generators] + [s.close.remote() for s in scorers]
+        ray.wait(closes, num_returns=len(closes), timeout=timeout_s)
+        handles = [a for a in [*consumers, coordinator] if a is not None]
+        for a in handles:
+            ray.kill(a, no_restart=True)
+        if learner is not None:
+            learner.kill()
+            handles += learner.ranks
+        out["killed"] = len(handles) + kill_run_actors(names, timeout_s=timeout_s)  # + any the handles missed
+        out["alive"] = len(run_actor_names(names))
+    except Exception as e:  # noqa: BLE001 - teardown goes on (placement groups, ray.shutdown, redis)
+        from queues.errors import one_line
+
+        out["error"] = one_line(e)
+    out["s"] = round(time.monotonic() - t0, 2)
+    (log.warning if "error" in out or out.get("loops_drained") != len(loops) else log.info)("actors stopped", **out)
+    return out
+
+
+def run_actor_names(prefix: str) -> list[str]:
+    """The live named actors of a run (`<prefix>:...`)."""
+    import ray
+
+    named = [a["name"] if isinstance(a, dict) else a for a in ray.util.list_named_actors(all_namespaces=False)]
+    return [n for n in named if n.startswith(f"{prefix}:")]
+
+
+def kill_run_actors(run_id: str, timeout_s: float = 60.0) -> int:
+    """Kills every live named actor of the run (`<run_id>:...`) for good and waits until Ray lists
+    none. (A dead actor's name stays taken while a handle to it lives: a relaunch uses new names.)"""
+    import ray
+
+    killed = run_actor_names(run_id)
+    for name in killed:
+        try:
+            ray.kill(ray.get_actor(name), no_restart=True)
+        except ValueError:  # already gone
+            pass
+    deadline = time.monotonic() + timeout_s
+    while run_actor_names(run_id):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"actors of run {run_id} still alive {timeout_s:.0f} s after ray.kill: "
+                               f"{run_actor_names(run_id)}")
+        time.sleep(0.2)
+    return len(killed)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,7 +35,8 @@ h = hidden, L = layers, I = intermediate, V = vocab, hd = head_dim, nh/nkv = att
     KV bytes/token   = 2 * L * ceil(nkv/TP) * hd * b_m per GPU (= 2*L*nkv*hd*b_m / TP when TP divides nkv;
                        vLLM replicates KV heads when TP > nkv). KV tokens = KV budget / KV bytes/token.
     CUDA context     = 0.5 GiB per process on a GPU outside vLLM's fraction (the learner rank; a sleeping vLLM).
-Phases (colocated; the GPU's peak is the max over them):
+Phases (colocated; the GPU's peak is the max over them; start-up and checkpoint: config.memory's
+startup_and_checkpoint_phases, shown where they differ from generation):
     generation  : vLLM at its whole fraction + learner asleep (weights [+ grads under ZeRO-0..2, which
                   DeepSpeed keeps allocated] + optimizer unless learner.offload_optimizer, which moves it to
                   CPU while asleep) + the learner's CUDA context.
@@ -64,8 +65,9 @@ from dataclasses import asdict, dataclass, field
 
 from config import RunConfig
 from config.memory import (CUDA_CONTEXT_GIB, DTYPE_BYTES, GIB, QWEN3_SHAPES, ModelShape,  # noqa: F401 (re-exported)
-                           _activations_label, _checkpointing_note, activation_gib, kv_bytes_per_token,
-                           learner_state_gib, logits_gib, model_shape, zero3_gather_gib)
+                           _activations_label, _checkpointing_note, activation_gib, fp32_masters_gib,
+                           kv_bytes_per_token, learner_state_gib, logits_gib, model_shape,
+                           startup_and_checkpoint_phases, zero3_gather_gib)
 from config.placement import ActorSlot, Placement, make_placement
 
 # ---------------------------------------------------------------------------------------------
@@ -360,10 +362,13 @@ def make_plan(cfg: RunConfig, recipe: str | None = None) -> Plan:
         shared = [x for x in all_gpus if x in engine_set]
         alone = [x for x in all_gpus if x not in engine_set]
         if shared:
+            generation = {**vllm_awake, **asleep}
             gpu_memory.append(GpuMemory("engine+learner", shared, {
-                "generation": {**vllm_awake, **asleep},
+                "generation": generation,
                 "weight_sync": {"vLLM weights shard": vllm_shard, **asleep, "weight buckets (x2)": bucket},
                 "training": {**vllm_asleep, **awake},
+                **startup_and_checkpoint_phases(cfg, generation, states["learner optimizer"],
+                                                fp32_masters_gib(cfg, n, divisor)),
             }))
         if alone:
             gpu_memory.append(GpuMemory("learner", alone, {"generation": dict(asleep),
@@ -392,13 +397,17 @@ def make_plan(cfg: RunConfig, recipe: str | None = None) -> Plan:
              f"liger {'on' if lr.use_liger else 'off'}"]
     if mode == "colocated":
         notes.append(f"vLLM sleep_level {gen.sleep_level}: " + (
-            "weights and KV released while the learner trains" if gen.sleep_level == 2 else
+            "weights and KV released while the learner trains (and during a warm start; the learner sleeps "
+            "before step 1, the engines before the final checkpoint)" if gen.sleep_level == 2 else
             "planned as keeping vLLM's whole fraction resident (the seed measured ~64 GiB resident and "
             "an OOM at 32B); prefer sleep_level 2"))
     if lr.offload_optimizer:
         per_node = max(sum(1 for nd, _ in learner_gpus if nd == node) for node in range(cl.num_nodes))
         notes.append(f"optimizer offloaded to host RAM while asleep: {states['learner optimizer'] * per_node:.1f} "
                      f"GiB per node")
+    for g in gpu_memory:  # what the run's start holds at most: the start-up phase where there is one
+        facts[f"{g.role} GPU peak before step 1, GiB"] = round(max(
+            g.phase_total(p) for p in g.phases if p not in ("checkpoint",)), 2)
     plan = Plan(recipe, mode, shape, n, mem, total_gpus, world, placements, gpu_memory, facts, notes, errors,
                 placement=placement)
     if cl.num_cpus and cl.num_nodes == 1:

@@ -357,34 +357,12 @@ def actor_died(e: BaseException) -> bool:
     return False
 
 
-def kill_run_actors(run_id: str, timeout_s: float = 60.0) -> int:
-    """Kills every live named actor of the run (`<run_id>:...`) for good and waits until Ray lists
-    none. (A dead actor's name stays taken while a handle to it lives: a relaunch uses new names.)"""
-    import ray
-
-    def names() -> list[str]:
-        return [a["name"] if isinstance(a, dict) else a for a in ray.util.list_named_actors(all_namespaces=False)
-                if (a["name"] if isinstance(a, dict) else a).startswith(f"{run_id}:")]
-    killed = names()
-    for name in killed:
-        try:
-            ray.kill(ray.get_actor(name), no_restart=True)
-        except ValueError:  # already gone
-            pass
-    deadline = time.monotonic() + timeout_s
-    while names():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"actors of run {run_id} still alive {timeout_s:.0f} s after ray.kill: {names()}")
-        time.sleep(0.2)
-    return len(killed)
-
-
 def run_with_relaunches(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_path: str,
                         train_items: list, eval_items: list, log) -> dict[str, Any]:
     """place_and_run, started again from the latest checkpoint when the learner or the
     coordinator dies (actors Ray does not restart), up to cluster.max_relaunches times."""
     from actors.coordinator.coordinator import Coordinator
-    from launch.place import place_and_run
+    from launch.place import kill_run_actors, place_and_run
 
     relaunches = 0
     while True:

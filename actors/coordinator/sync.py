@@ -123,7 +123,12 @@ class WeightSyncHandshake:
                           host=rdv.host, port=rdv.port)
 
     async def initial_sync(self, warm_start_metrics: dict[str, float]) -> None:
-        """After a warm start the generators hold the initial weights: give them version 0."""
+        """Before the first step. Colocated, the learner goes to sleep first (optimizer state to the host
+        where configured, its cache emptied), as it is between steps, so step 1 generates beside a sleeping
+        learner, not an awake one. After a warm start (which ran with colocated engines asleep) the
+        generators hold the initial weights: wake them, give them version 0, let them pull again."""
+        if self.cfg.coordinator.mode == "colocated":
+            await call(self.learner, "sleep")
         if not warm_start_metrics:
             return
         if self.log is not None:
@@ -132,3 +137,4 @@ class WeightSyncHandshake:
         await self.sync_weights(self.version)
         await self._all_generators("set_version", self.version)
         await self._all_generators("wake", ["kv_cache"])
+        await self._all_generators("resume")  # sleep paused them

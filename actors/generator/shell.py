@@ -106,6 +106,10 @@ class GeneratorShell:
     async def abort(self) -> None:
         self.gen.abort()
 
+    async def close(self) -> None:
+        """The run's end, after stop(): the engine shuts down (vLLM's engine core process exits)."""
+        await self.gen.engine.close()
+
     async def sleep(self, level: int) -> None:
         await self.gen.sleep(level)
 
