@@ -266,8 +266,9 @@ class Coordinator(WeightSyncHandshake, Checkpointing):
         await self._all_generators("resume")  # sleep and pause both stop pulling
         m["time_step"] = time.perf_counter() - t0
         m["policy_version"] = float(self.version)
-        tokens = m.get("train_tokens", 0.0)
+        tokens = m.get("train_num_tokens", 0.0)  # the learner's packed tokens of the step
         m["tokens_per_s"] = tokens / m["time_step"] if m["time_step"] > 0 else 0.0
+        m["samples_per_s"] = m.get("train_samples", 0.0) / m["time_step"] if m["time_step"] > 0 else 0.0
         m.update(await self.queue_depths())
         return m
 

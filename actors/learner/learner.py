@@ -216,6 +216,11 @@ class Learner(LearnerEngine):
             old_logprob_s=float(t_old),
             step_s=float(elapsed),
             tokens_per_s=float(tot["tokens_fwd"] / max(elapsed - t_old, 1e-9)),
+            # The figure that compares across packings (a shared prompt is fewer tokens for the same samples):
+            # samples through forward+backward per second, over the same seconds as tokens_per_s.
+            samples=float(sum(it["packed"].num_samples for it in items)),
+            samples_per_s=float(sum(it["packed"].num_samples for it in items) * c.update_epochs
+                                / max(elapsed - t_old, 1e-9)),
             step=float(self.step),
         )
         return metrics
