@@ -127,6 +127,72 @@ def test_launcher_builds_the_plan_s_placement_fake_gpu_actors_stand_in(cluster_3
         remove_groups(groups)
 
 
+class _Looping(_StandIn):
+    """A stand-in with a consumer's loop (run until stop) and close: the generator's and scorer's shape."""
+
+    async def run(self, *args):
+        import asyncio
+
+        self.stopped = False
+        while not self.stopped:
+            await asyncio.sleep(0.05)
+
+    async def stop(self):
+        self.stopped = True
+
+    async def close(self):
+        return None
+
+
+def _place_looping(monkeypatch, tmp_path, name: str):
+    import ray
+
+    import actors.assembler
+    import actors.generator.generator
+    import actors.learner.shell
+    import actors.scorer
+    from launch.place import create_actors
+
+    for module, attr in ((actors.generator.generator, "GeneratorActor"), (actors.learner.shell, "LearnerActor"),
+                         (actors.scorer, "ScorerActor")):
+        monkeypatch.setattr(module, attr, ray.remote(_Looping))
+    monkeypatch.setattr(actors.assembler, "Assembler", _Looping)
+    learner, generators, scorers, assembler, _, groups = create_actors(get_recipe("gpu1_0p6b"), name, tmp_path, "",
+                                                                       "/no/model", 1, names=name)
+    loops = [a.run.remote() for a in [*generators, *scorers]]
+    ray.get([a.report.remote() for a in [*generators, *scorers, assembler, *learner.ranks]], timeout=120)
+    return learner, generators, scorers, assembler, groups, loops
+
+
+def test_orderly_stop_leaves_no_actor_and_no_raylet_restart_lines_fake_gpu_actors_stand_in(
+        cluster_32b, monkeypatch, tmp_path, capfd):
+    """The end of a GPU run (launch.place.stop_actors, then the placement groups): the consumers' loops
+    return, every actor is killed for good, none is left, and the raylet reports no restart. The old order
+    -- removing the placement group under live restartable actors with running loops -- restarts them and
+    prints "(raylet) Task ... failed ... The actor was restarted" (the lines every H200 run ended with):
+    shown first, so the check below is one that can fail."""
+    import structlog
+
+    from launch.place import kill_run_actors, remove_groups, stop_actors
+
+    *_, groups, loops = _place_looping(monkeypatch, tmp_path / "old", "old-order")
+    remove_groups(groups)
+    time.sleep(3)  # the owner hears of the restart within a second or two
+    kill_run_actors("old-order")
+    old = capfd.readouterr()
+    assert "The actor was restarted" in old.out + old.err
+
+    learner, generators, scorers, assembler, groups, loops = _place_looping(monkeypatch, tmp_path / "new", "new-order")
+    try:
+        out = stop_actors("new-order", generators, scorers, assembler, learner, None, loops, structlog.get_logger())
+    finally:
+        remove_groups(groups)
+    time.sleep(3)
+    new = capfd.readouterr()
+    assert "(raylet)" not in new.out + new.err, new.out[-2000:]
+    assert out["loops_drained"] == out["loops"] == 2 and out["alive"] == 0 and out["killed"] == 4, out
+
+
 def test_unreachable_redis_names_the_actor_and_node(cluster_32b, tmp_path):
     cfg = get_recipe("tiny")  # 5 CPU probes (no placement group) are enough to see the check
     with pytest.raises(PreflightFailed, match=r"^generator-0 on 127\.0\.0\.1 \(plan node 0\): Redis does not answer") as e:
