@@ -11,7 +11,9 @@ Invariants:
   them back, and the batch is rebuilt identically; the learner ignores a second batch for a step
   it already trained.
 - Packing follows policies.packing (policies.prefix with share_prompt: groups as units, the prompt
-  counted once): every kept sample lands in exactly one micro-batch.
+  counted once): every kept sample lands in exactly one micro-batch. A sample's tokens are its whole
+  episode (observations included: they sit in the learner's row); its Sample.loss_mask travels in
+  TrainGroup.loss_masks (none when no sample of the group has one).
 - Staleness metrics are over the tokens of the trained groups, in versions behind the step's
   version: mean, max, the fraction of tokens at each lag (`tokens_lag<k>_frac`, summing to 1) and
   the fraction of samples whose tokens span more than one version (partial rollouts).
@@ -71,7 +73,8 @@ def build_batch(step: int, version: int, groups: list[ScoredGroup], cfg: Assembl
         train_groups.append(TrainGroup(
             prompt_id=g.rollout.task.prompt_id, prompt_tokens=prompt,
             completions=[s.tokens for s in g.rollout.samples], gen_logprobs=[s.logprobs for s in g.rollout.samples],
-            advantages=[float(a) for a in adv[0]], rewards=list(g.rewards), policy_version=oldest_version(g.rollout)))
+            advantages=[float(a) for a in adv[0]], rewards=list(g.rewards), policy_version=oldest_version(g.rollout),
+            loss_masks=[s.loss_mask for s in g.rollout.samples] if any(s.loss_mask for s in g.rollout.samples) else []))
         prompt_len = len(prompt) // 4
         prompt_lens.append(prompt_len)
         comp_lens.append([len(s.tokens) // 4 for s in g.rollout.samples])

@@ -19,9 +19,14 @@ Invariants:
   sample in a segment of its own with branch 0 (block-causal); policies/prefix.py's shared rows use
   the branches. `block_causal_mask` is that rule as a dense mask.
 - Everything is aligned to the *predicting* position: at position t the model's output scores
-  `target_ids[t]`, the next token of the same sample. `loss_mask[t]` is True exactly when that
+  `target_ids[t]`, the next token of the same sample. `completion_mask[t]` is True exactly when that
   target is a completion token, so prompt tokens, the last position of each sample and padding
-  never reach the loss.
+  never reach the loss. `loss_mask` is `completion_mask` and the sample's own per-token loss mask
+  (a multi-turn episode's observation tokens are 0): a completion position outside it is scored
+  (`unpack` returns it) but contributes nothing to the loss, its token counts or its metrics.
+  Without per-token masks the two are equal. Per-sample structure (`scatter`, `scatter_per_sample`,
+  `unpack`, `completion_lengths`) follows `completion_mask`.
+- A per-token mask whose length is not the sample's completion length is a ValueError naming the sample.
 """
 from __future__ import annotations
 
@@ -122,7 +127,7 @@ class PackedBatch:
     input_ids: torch.Tensor  # [1, T] long
     position_ids: torch.Tensor  # [1, T] long, restarting at 0 per sample
     target_ids: torch.Tensor  # [1, T] long, the next token of the same sample (0 where none)
-    loss_mask: torch.Tensor  # [1, T] bool, True where target_ids[t] is a completion token
+    loss_mask: torch.Tensor  # [1, T] bool, True where target_ids[t] is a completion token the loss trains
     cu_seqlens: torch.Tensor  # [S + 1] int32, sample boundaries (padding not included)
     sample_index: torch.Tensor  # [1, T] long
     token_index: torch.Tensor  # [1, T] long
@@ -132,6 +137,8 @@ class PackedBatch:
     segment_ids: torch.Tensor | None = None  # [1, T] long; None: sample_index (unshared rows)
     branch_ids: torch.Tensor | None = None  # [1, T] long; None: all 0
     shared: bool = False  # some segment has branches (a shared prompt): flash / varlen cannot run it
+    # [1, T] bool, True where target_ids[t] is a completion token (observations included); None: loss_mask
+    completion_mask: torch.Tensor | None = None
     # Per-device attention inputs built once and reused by every forward (e.g. a flex block mask);
     # never copied by `to`.
     attn_cache: dict = field(default_factory=dict, repr=False, compare=False)
@@ -141,6 +148,8 @@ class PackedBatch:
             self.segment_ids = self.sample_index
         if self.branch_ids is None:
             self.branch_ids = torch.zeros_like(self.sample_index)
+        if self.completion_mask is None:
+            self.completion_mask = self.loss_mask
 
     @property
     def num_tokens(self) -> int:
@@ -165,25 +174,25 @@ class PackedBatch:
         if len(per_sample) != self.num_samples:
             raise ValueError(f"got values for {len(per_sample)} samples, the batch packs {self.num_samples}")
         out = torch.full(self.input_ids.shape, fill, dtype=dtype, device=self.input_ids.device)
-        rows = self.loss_mask[0].nonzero().squeeze(-1)
+        rows = self.completion_mask[0].nonzero().squeeze(-1)
         for i, n in enumerate(self.completion_lengths):
             if len(per_sample[i]) != n:
                 raise ValueError(f"sample {i}: {len(per_sample[i])} values for {n} completion tokens")
         if len(rows):
             flat = torch.cat([torch.as_tensor(v, dtype=dtype).reshape(-1) for v in per_sample]).to(out.device)
-            out[0, rows] = flat  # loss positions are in sample order, tokens in order
+            out[0, rows] = flat  # completion positions are in sample order, tokens in order
         return out
 
     def scatter_per_sample(self, values: Sequence[float], fill: float = 0.0,
                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """One scalar per sample (e.g. its advantage) broadcast over its completion tokens."""
         v = torch.tensor([*values, fill], dtype=dtype, device=self.input_ids.device)
-        idx = torch.where(self.loss_mask, self.sample_index, torch.full_like(self.sample_index, len(values)))
+        idx = torch.where(self.completion_mask, self.sample_index, torch.full_like(self.sample_index, len(values)))
         return v[idx]
 
     def unpack(self, values: torch.Tensor) -> list[torch.Tensor]:
         """A [1, T] (or [T]) per-position tensor -> one tensor per sample over its completion tokens."""
-        flat = values.reshape(-1)[self.loss_mask.reshape(-1)]
+        flat = values.reshape(-1)[self.completion_mask.reshape(-1)]
         return list(torch.split(flat, self.completion_lengths))
 
     def attention_mask(self, attn_implementation: str, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
@@ -232,9 +241,20 @@ def block_causal_mask(segment_ids: torch.Tensor, dtype: torch.dtype = torch.floa
     return mask[None, None]
 
 
-def pack(sequences: Sequence[tuple[Sequence[int] | torch.Tensor, Sequence[int] | torch.Tensor]],
-         pad_to_multiple_of: int = 1, pad_token_id: int = 0) -> PackedBatch:
-    """(prompt_ids, completion_ids) pairs -> one packed row (see PackedBatch and the module doc).
+def token_loss_mask(mask, n: int, sample: int) -> torch.Tensor:
+    """A sample's per-token loss mask (None: all ones) -> a bool tensor of its `n` completion tokens."""
+    if mask is None:
+        return torch.ones(n, dtype=torch.bool)
+    m = torch.as_tensor(mask).reshape(-1)
+    if m.numel() != n:
+        raise ValueError(f"sample {sample}: loss mask has {m.numel()} entries for {n} completion tokens")
+    return m.bool()
+
+
+def pack(sequences: Sequence[tuple], pad_to_multiple_of: int = 1, pad_token_id: int = 0) -> PackedBatch:
+    """(prompt_ids, completion_ids) pairs, or (prompt_ids, completion_ids, loss_mask) triples, -> one
+    packed row (see PackedBatch and the module doc). A loss mask holds one 0/1 (or bool) per completion
+    token; None or a pair: all ones.
 
     Each prompt needs at least one token (it predicts the first completion token). With
     `pad_to_multiple_of` > 1 the row is padded at the end; padding is masked out of the loss.
@@ -242,7 +262,7 @@ def pack(sequences: Sequence[tuple[Sequence[int] | torch.Tensor, Sequence[int] |
     cols: dict[str, list[torch.Tensor]] = {k: [] for k in ROW_FILL}
     cu = [0]
     comp_lens = []
-    for i, (prompt, completion) in enumerate(sequences):
+    for i, (prompt, completion, *mask) in enumerate(sequences):
         p = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
         c = torch.as_tensor(completion, dtype=torch.long).reshape(-1)
         if p.numel() == 0:
@@ -251,11 +271,14 @@ def pack(sequences: Sequence[tuple[Sequence[int] | torch.Tensor, Sequence[int] |
         n, np_, nc = seq.numel(), p.numel(), c.numel()
         m = torch.zeros(n, dtype=torch.bool)
         m[np_ - 1: np_ - 1 + nc] = True  # position t predicts token t + 1
+        lm = torch.zeros(n, dtype=torch.bool)
+        lm[np_ - 1: np_ - 1 + nc] = token_loss_mask(mask[0] if mask else None, nc, i)
         ti = torch.full((n,), -1, dtype=torch.long)
         ti[np_ - 1: np_ - 1 + nc] = torch.arange(nc)
         for k, v in (("input_ids", seq), ("position_ids", torch.arange(n)),
-                     ("target_ids", torch.cat([seq[1:], torch.zeros(1, dtype=torch.long)])), ("loss_mask", m),
-                     ("sample_index", torch.full((n,), i, dtype=torch.long)), ("token_index", ti)):
+                     ("target_ids", torch.cat([seq[1:], torch.zeros(1, dtype=torch.long)])), ("loss_mask", lm),
+                     ("completion_mask", m), ("sample_index", torch.full((n,), i, dtype=torch.long)),
+                     ("token_index", ti)):
             cols[k].append(v)
         cu.append(cu[-1] + n)
         comp_lens.append(nc)
@@ -263,13 +286,14 @@ def pack(sequences: Sequence[tuple[Sequence[int] | torch.Tensor, Sequence[int] |
 
 
 # Per-position columns of a packed row and the value trailing padding gets (position ids restart at 0).
-ROW_FILL = {"input_ids": None, "position_ids": None, "target_ids": 0, "loss_mask": False, "sample_index": -1,
-            "token_index": -1, "segment_ids": -1, "branch_ids": 0}
+ROW_FILL = {"input_ids": None, "position_ids": None, "target_ids": 0, "loss_mask": False, "completion_mask": False,
+            "sample_index": -1, "token_index": -1, "segment_ids": -1, "branch_ids": 0}
+_BOOL_COLUMNS = ("loss_mask", "completion_mask")
 
 
 def finish_row(cols: dict[str, list[torch.Tensor]], cu: list[int], completion_lengths: list[int],
                pad_to_multiple_of: int = 1, pad_token_id: int = 0, shared: bool = False) -> PackedBatch:
-    """Columns (lists of 1-D pieces in row order; segment/branch ids may be left empty) -> the
+    """Columns (lists of 1-D pieces in row order; segment/branch ids and completion_mask may be left empty) -> the
     PackedBatch, with trailing padding up to a multiple of `pad_to_multiple_of`."""
     total = cu[-1]
     pad = (-total) % max(1, pad_to_multiple_of)
@@ -277,10 +301,10 @@ def finish_row(cols: dict[str, list[torch.Tensor]], cu: list[int], completion_le
     out: dict[str, torch.Tensor | None] = {}
     for k, fill in ROW_FILL.items():
         xs = cols.get(k) or []
-        if not xs and k in ("segment_ids", "branch_ids"):
-            out[k] = None  # PackedBatch derives them (unshared rows)
+        if not xs and k in ("segment_ids", "branch_ids", "completion_mask"):
+            out[k] = None  # PackedBatch derives them (unshared rows; no per-token masks)
             continue
-        dt = torch.bool if k == "loss_mask" else torch.long
+        dt = torch.bool if k in _BOOL_COLUMNS else torch.long
         if pad:
             xs = xs + [torch.arange(pad) if k == "position_ids" else
                        torch.full((pad,), pad_token_id if k == "input_ids" else fill, dtype=dt)]

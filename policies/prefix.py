@@ -7,10 +7,13 @@ Layout of one group part (prompt p of P tokens, responses c_1..c_n of m_1..m_n t
 
 Invariants:
 - Everything policies/packing.py states for `pack` holds for `pack_shared`: position t predicts
-  `target_ids[t]`, the next token of the same sample; `loss_mask[t]` is True exactly when that
-  target is a completion token; loss positions come in sample order, tokens in order, so
-  `scatter`, `scatter_per_sample`, `unpack`, `completion_lengths` and `sample_index` (under
-  `loss_mask`) mean what they mean for `pack`. Shared trunk positions have sample_index -1 and no loss.
+  `target_ids[t]`, the next token of the same sample; `completion_mask[t]` is True exactly when that
+  target is a completion token, `loss_mask[t]` when it is also in the sample's per-token loss mask;
+  completion positions come in sample order, tokens in order, so `scatter`, `scatter_per_sample`,
+  `unpack`, `completion_lengths` and `sample_index` (under `completion_mask`) mean what they mean for
+  `pack`. Shared trunk positions have sample_index -1 and no loss.
+- A multi-turn episode (its turns and the observations between them, masked out of the loss) is one
+  response: its branch. The trunk is the group's prompt alone.
 - The last prompt token is duplicated once per response: it predicts a different first token for
   each, and one position holds one target.
 - Attention follows packing's one rule (segment, row order, branch): a response sees the trunk,
@@ -31,7 +34,7 @@ from typing import Sequence
 
 import torch
 
-from policies.packing import ROW_FILL, OversizedSampleWarning, PackedBatch, finish_row
+from policies.packing import ROW_FILL, OversizedSampleWarning, PackedBatch, finish_row, token_loss_mask
 
 
 def part_tokens(prompt_len: int, completion_lens: Sequence[int]) -> int:
@@ -60,33 +63,37 @@ def group_runs(pairs: Sequence[tuple[int, int]], field: str = "micro_batch") -> 
     return runs
 
 
-def pack_shared(parts: Sequence[tuple[Sequence[int] | torch.Tensor, Sequence[Sequence[int] | torch.Tensor]]],
-                pad_to_multiple_of: int = 1, pad_token_id: int = 0) -> PackedBatch:
-    """(prompt_ids, [completion_ids, ...]) parts -> one packed row (module doc's layout).
+def pack_shared(parts: Sequence[tuple], pad_to_multiple_of: int = 1, pad_token_id: int = 0) -> PackedBatch:
+    """(prompt_ids, [completion_ids, ...]) parts, or (prompt_ids, [completion_ids, ...], [loss_mask, ...])
+    with one per-token mask (or None: all ones) per completion, -> one packed row (module doc's layout).
 
     Samples are numbered in order over the parts (sample_index, completion_lengths). Each prompt
-    needs at least one token. Trailing padding as in `pack`.
+    needs at least one token. Trailing padding as in `pack`; masks as in `pack`.
     """
     cols: dict[str, list[torch.Tensor]] = {k: [] for k in ROW_FILL}
     cu = [0]
     comp_lens: list[int] = []
     shared = False
 
-    def put(ids, pos, tgt, loss, sample, segment, branch, token=None):
+    def put(ids, pos, tgt, loss, sample, segment, branch, token=None, trained=None):
         n = ids.numel()
-        for k, v in (("input_ids", ids), ("position_ids", pos), ("target_ids", tgt), ("loss_mask", loss),
+        for k, v in (("input_ids", ids), ("position_ids", pos), ("target_ids", tgt), ("completion_mask", loss),
+                     ("loss_mask", loss if trained is None else trained),
                      ("sample_index", torch.full((n,), sample, dtype=torch.long)),
                      ("token_index", torch.full((n,), -1, dtype=torch.long) if token is None else token),
                      ("segment_ids", torch.full((n,), segment, dtype=torch.long)),
                      ("branch_ids", torch.full((n,), branch, dtype=torch.long))):
             cols[k].append(v)
 
-    for k, (prompt, completions) in enumerate(parts):
+    for k, (prompt, completions, *masks) in enumerate(parts):
         p = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
         if p.numel() == 0:
             raise ValueError(f"part {k} has an empty prompt; at least one token must predict the completion")
         if len(completions) == 0:
             raise ValueError(f"part {k} has no completions")
+        masks = list(masks[0]) if masks and masks[0] is not None else [None] * len(completions)
+        if len(masks) != len(completions):
+            raise ValueError(f"part {k} has {len(masks)} loss masks for {len(completions)} completions")
         trunk = p.numel() - 1
         many = len(completions) > 1
         shared |= many
@@ -100,10 +107,12 @@ def pack_shared(parts: Sequence[tuple[Sequence[int] | torch.Tensor, Sequence[Seq
             nc = c.numel()
             m = torch.zeros(nc + 1, dtype=torch.bool)
             m[:nc] = True
+            lm = torch.zeros(nc + 1, dtype=torch.bool)
+            lm[:nc] = token_loss_mask(masks[r], nc, len(comp_lens))
             ti = torch.full((nc + 1,), -1, dtype=torch.long)
             ti[:nc] = torch.arange(nc)
             put(torch.cat([p[-1:], c]), torch.arange(trunk, trunk + nc + 1), torch.cat([c, torch.zeros(1, dtype=torch.long)]),
-                m, len(comp_lens), k, r + 1 if many else 0, token=ti)
+                m, len(comp_lens), k, r + 1 if many else 0, token=ti, trained=lm)
             comp_lens.append(nc)
             length += nc + 1
         cu.append(cu[-1] + length)

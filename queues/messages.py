@@ -4,6 +4,11 @@ Invariants:
 - Every message carries `schema`; a decoder refuses a schema it does not know, with a one-line
   error, instead of misreading fields. Schema 2 added per-token policy versions (`Sample.versions`);
   a schema-1 message still decodes and its tokens all carry the group's `policy_version`.
+  Schema 3 added per-token loss masks (`Sample.loss_mask`, `TrainGroup.loss_masks`) for multi-turn
+  episodes; a schema-1/2 message decodes with empty masks: every response token is the model's.
+- Loss masks: empty (every token is trained) or packed int32 0/1, one per response token
+  (`sample_loss_mask`). 0 marks an observation token (a tool's output appended to the episode,
+  never sampled: its behaviour log-prob is 0.0 and it never reaches the loss).
 - Per-token versions: `Sample.versions` is empty (every token was produced by the group's
   `policy_version`) or packed int32, one per token, non-decreasing (a partial rollout continued
   across weight updates). A group's `policy_version` is its OLDEST token's version
@@ -20,8 +25,8 @@ from typing import Any, TypeVar
 import msgspec
 import numpy as np
 
-SCHEMA = 2
-READABLE_SCHEMAS = (1, 2)  # schema 1: no Sample.versions
+SCHEMA = 3
+READABLE_SCHEMAS = (1, 2, 3)  # schema 1: no Sample.versions; 1-2: no loss masks
 
 
 class SchemaError(ValueError):
@@ -79,6 +84,7 @@ class Sample(msgspec.Struct, kw_only=True):
     finish_reason: str  # "stop" | "length" | "abort" | "error"
     text: str = ""
     versions: bytes = b""  # packed int32, the policy version of each token; b"": all the group's
+    loss_mask: bytes = b""  # packed int32 0/1 per token (0: an observation token); b"": all ones
 
 
 def sample_versions(sample: Sample, group_version: int) -> np.ndarray:
@@ -90,6 +96,22 @@ def sample_versions(sample: Sample, group_version: int) -> np.ndarray:
     if len(v) != n:
         raise ValueError(f"Sample.versions has {len(v)} entries for {n} tokens")
     return v
+
+
+def unpack_loss_mask(buf: bytes, n: int, field: str = "loss_mask") -> "np.ndarray | None":
+    """A packed 0/1 loss mask -> a bool array of `n` entries, or None when `buf` is empty (all ones).
+
+    A mask of another length, or with a value other than 0 or 1, is a ValueError naming `field`."""
+    if not buf:
+        return None
+    if len(buf) % 4:
+        raise ValueError(f"{field} is {len(buf)} bytes, not packed int32")
+    m = unpack_ids(buf)
+    if len(m) != n:
+        raise ValueError(f"{field} has {len(m)} entries for {n} tokens")
+    if ((m != 0) & (m != 1)).any():
+        raise ValueError(f"{field} holds values other than 0 and 1")
+    return m.astype(bool)
 
 
 def oldest_version(group: "RolloutGroup") -> int:
@@ -134,6 +156,8 @@ class TrainGroup(msgspec.Struct, kw_only=True):
     advantages: list[float]  # one per sample, broadcast over its tokens
     rewards: list[float]
     policy_version: int
+    # Packed int32 0/1 per completion token, one per sample (Sample.loss_mask); [] or b"": all ones.
+    loss_masks: list[bytes] = []
 
 
 class TrainBatch(Message, kw_only=True):

@@ -9,6 +9,11 @@ Invariants:
   applies learner.correction's importance weight (policies/offpolicy.py) where it is on.
 - Micro-batches are packed rows of whole samples under a token budget (policies/packing.py);
   nothing is padded to [B, max prompt + max response]. Attention never crosses samples.
+- Multi-turn episodes: a sample's per-token loss mask (TrainGroup.loss_masks; none: all ones) leaves
+  its observation tokens in the row as context and out of everything the loss computes: the
+  policy-gradient, KL and entropy terms, the token-count normalisers, the TIS/MIS weights and the
+  mismatch metrics. A mask of all ones is exactly the unmasked step. The SFT warm start takes the
+  same masks.
 - With learner.share_prompt, the consecutive samples of one group in a micro-batch form one part
   with the prompt computed once (policies/prefix.py): same log-probs, loss and update as the
   unshared row, fewer tokens. The plan's pairs decide the parts, so a planner that did not share
@@ -42,7 +47,7 @@ from policies.grpo import policy_loss
 from policies.packing import PackedBatch, pack, plan_micro_batches
 from policies.prefix import group_runs, pack_shared
 from policies.shard import split_across_ranks
-from queues.messages import TrainBatch, unpack_floats, unpack_ids
+from queues.messages import TrainBatch, unpack_floats, unpack_ids, unpack_loss_mask
 
 log = structlog.get_logger("arctic_rl.learner")
 
@@ -64,7 +69,7 @@ class Learner(LearnerEngine):
         share = bool(self.cfg.share_prompt)
         out = []
         for m, plan in enumerate(batch.micro_batches):
-            comps, adv, gen = [], [], []
+            comps, adv, gen, masks = [], [], [], []
             for g, s in plan:
                 if not (0 <= g < len(groups)) or not (0 <= s < len(groups[g].completions)):
                     raise ValueError(f"TrainBatch.micro_batches[{m}] names (group {g}, sample {s}), which does not exist")
@@ -80,14 +85,17 @@ class Learner(LearnerEngine):
                 comps.append(comp)
                 adv.append(float(grp.advantages[s]))
                 gen.append(glp)
+                masks.append(self._loss_mask(grp, g, s, len(comp)))
             if share:
-                # Consecutive samples of one group -> one part with its prompt once (policies/prefix.py).
+                # Consecutive samples of one group -> one part with its prompt once (policies/prefix.py);
+                # a multi-turn episode is its sample's branch, its observations masked out of the loss.
                 runs = group_runs(plan, field=f"TrainBatch.micro_batches[{m}]")
-                it = iter(comps)
-                pb = pack_shared([(prompts[g], [next(it) for _ in ss]) for g, ss in runs],
+                it, im = iter(comps), iter(masks)
+                pb = pack_shared([(prompts[g], [next(it) for _ in ss], [next(im) for _ in ss]) for g, ss in runs],
                                  pad_to_multiple_of=self.pad_multiple)
             else:
-                pb = pack([(prompts[g], c) for (g, _), c in zip(plan, comps)], pad_to_multiple_of=self.pad_multiple)
+                pb = pack([(prompts[g], c, lm) for (g, _), c, lm in zip(plan, comps, masks)],
+                          pad_to_multiple_of=self.pad_multiple)
             out.append({"packed": pb, "advantages": pb.scatter_per_sample(adv),
                         "gen_logprobs": pb.scatter(gen) if use_gen else None, "weight": 1.0})
         for k, mbatch in enumerate(batch.minibatches):
@@ -98,6 +106,17 @@ class Learner(LearnerEngine):
         if listed != list(range(len(out))):
             raise ValueError("TrainBatch.minibatches must list every micro-batch exactly once")
         return out
+
+    @staticmethod
+    def _loss_mask(grp, g: int, s: int, n: int) -> torch.Tensor | None:
+        """Sample s's per-token loss mask (None: all ones; schema-2 groups have none), checked by name."""
+        if not grp.loss_masks:
+            return None
+        if len(grp.loss_masks) != len(grp.completions):
+            raise ValueError(f"TrainBatch.groups[{g}].loss_masks has {len(grp.loss_masks)} entries for "
+                             f"{len(grp.completions)} samples")
+        m = unpack_loss_mask(grp.loss_masks[s], n, field=f"TrainBatch.groups[{g}].loss_masks[{s}]")
+        return None if m is None else torch.from_numpy(m)
 
     def _on_device(self, item: dict[str, Any]) -> dict[str, Any]:
         return {k: v.to(self.device) if isinstance(v, (torch.Tensor, PackedBatch)) else v for k, v in item.items()}
@@ -247,14 +266,17 @@ class Learner(LearnerEngine):
                 metrics[p + "pg_loss"] = tot[p + "pg_loss_sum"] / num_minibatches
         return metrics
 
-    def sft_step(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], lr: float | None = None) -> float:
+    def sft_step(self, pairs: Sequence[tuple], lr: float | None = None) -> float:
         """One optimizer step of cross-entropy on the target tokens (temperature 1), this rank's share
-        of the pairs' micro-batches, normalised by all of their target tokens. Returns the loss."""
+        of the pairs' micro-batches, normalised by all of their trained target tokens. Returns the loss.
+
+        `pairs`: (prompt, target) or (prompt, target, loss_mask) with one 0/1 per target token (a
+        multi-turn warm start's observation tokens are 0: seen as context, never trained)."""
         if self.asleep:
             self.wake()
         if not pairs:
             raise ValueError("sft_step needs at least one (prompt, target) pair")
-        plan = plan_micro_batches([len(p) + len(t) for p, t in pairs], self.micro_batch_tokens)
+        plan = plan_micro_batches([len(p[0]) + len(p[1]) for p in pairs], self.micro_batch_tokens)
         packed = [{"packed": pack([pairs[i] for i in mb], pad_to_multiple_of=self.pad_multiple), "weight": 1.0}
                   for mb in plan]
         total = float(sum(it["packed"].num_loss_tokens for it in packed))
