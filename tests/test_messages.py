@@ -48,7 +48,7 @@ def test_token_ids_travel_as_packed_int32_not_lists():
 
 def test_unknown_schema_is_refused_with_a_clear_error():
     future = msgspec.structs.replace(_task(), schema=SCHEMA + 1)
-    with pytest.raises(SchemaError, match=f"schema {SCHEMA + 1}, this code reads schemas 1, 2"):
+    with pytest.raises(SchemaError, match=f"schema {SCHEMA + 1}, this code reads schemas 1, 2, 3"):
         codec(PromptTask).decode(codec(PromptTask).encode(future))
 
 
