@@ -5,7 +5,9 @@ Invariants:
   `normalizer` (its total valid tokens for "token-mean", its total sequences for
   "seq-mean-token-mean"), equals the loss of the whole minibatch in one call. Gradient
   accumulation therefore changes nothing but memory.
-- Tokens where `mask` is False (prompt, padding) contribute nothing to the loss or the metrics.
+- Tokens where `mask` is False (prompt, padding, a multi-turn episode's observation tokens) contribute
+  nothing to the loss, its token-count normaliser, the importance weights or the metrics: a masked
+  token is exactly a token cut from the batch.
 - When `logprobs == old_logprobs` the ratio is exactly 1: ppo_kl and clipfrac are exactly 0.
 - Importance weights against the behaviour policy (`gen_logprobs`: the sampler's log-probs) are
   detached: they rescale the gradient of a stale or mismatched token and never receive gradient.

@@ -160,6 +160,11 @@ class PackedBatch:
         return int(self.loss_mask.sum())
 
     @property
+    def num_completion_tokens(self) -> int:
+        """Completion tokens in the row, observation tokens (loss mask 0) included."""
+        return int(self.completion_mask.sum())
+
+    @property
     def num_samples(self) -> int:
         return len(self.completion_lengths)
 

@@ -219,6 +219,8 @@ def test_one_shared_step_with_episodes_equals_the_unshared_step(model_dir, learn
     for k in ("pg_loss", "loss", "grad_norm", "mismatch_kl", "is_weight_mean", "num_loss_tokens"):
         assert m_shared[k] == pytest.approx(m_plain[k], rel=1e-5, abs=1e-8), k
     assert m_shared["num_loss_tokens"] == sum(int(mask_of(g, s).sum()) for g in groups for s in range(5))
+    obs = sum(int((~mask_of(g, s)).sum()) for g in groups for s in range(5))
+    assert m_shared["num_obs_tokens"] == m_plain["num_obs_tokens"] == obs > 0
 
 
 def _captured_grads(learner):
@@ -330,6 +332,7 @@ def test_all_ones_masks_and_schema_2_batches_train_exactly_as_today(model_dir):
         learner = make_learner(model_dir, share=True, correction="tis", correction_cap=2.0)
         results.append((learner.train_step(batch), learner.state_dict_hf()))
     (m0, w0), *rest = results
+    assert m0["num_obs_tokens"] == 0.0
     for m, w in rest:
         assert all(torch.equal(w0[k], w[k]) for k in w0)
         assert {k: v for k, v in m.items() if not k.endswith("_s")} == {k: v for k, v in m0.items() if not k.endswith("_s")}

@@ -231,6 +231,8 @@ class Learner(LearnerEngine):
             optimizer_steps=float(len(grad_norms)),
             micro_batches=float(len(items)),
             num_loss_tokens=float(sum(it["packed"].num_loss_tokens for it in items)),
+            # multi-turn episodes: observation tokens in the rows as context, kept out of the loss
+            num_obs_tokens=float(sum(it["packed"].num_completion_tokens - it["packed"].num_loss_tokens for it in items)),
             num_tokens=float(sum(it["packed"].num_tokens for it in items)),
             old_logprob_s=float(t_old),
             step_s=float(elapsed),
