@@ -233,7 +233,8 @@ def main() -> int:
         left = BUDGET_S - (time.time() - t0)
         need = results[-1]["wall_s"] if results else 0.0
         if left < max(need, 60.0):
-            notes.append(f"seed {seed} not run: {left:.0f} s of BUDGET_S={BUDGET_S:g} left, the last seed took {need:.0f} s")
+            notes.append(f"seed {seed} not run: {left:.0f} s of BUDGET_S={BUDGET_S:g} left, the last seed took "
+                         f"{need:.0f} s (run it in its own call: SEEDS={seed})")
             break
         results.append(run_seed(seed, min(RUN_TIMEOUT_S, left)))
         write_summary(results, notes)
