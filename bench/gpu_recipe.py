@@ -6,9 +6,8 @@
 
 Each seed is the README's plain command, `python -m launch.cluster gpu1_0p6b seed=S` (a fresh launcher,
 its own Ray and embedded Redis), with run_root outside $OUT (checkpoints are GBs); beside it
-`nvidia-smi -lms 200` samples the device's memory. Per seed the run's metrics.jsonl, config.json, logs/
-and console output are copied to $OUT/<run_id>/, and the summary is rewritten after every seed (so a
-device call cut short still leaves the seeds it finished):
+`nvidia-smi -lms 200` samples the device's memory. $OUT holds five files (the device tool brings back at
+most 8), rewritten after every seed, so a device call cut short still leaves the seeds it finished:
 
     $OUT/summary.md     one row per seed: wall, steps, held-out reward and greedy accuracy before -> after
                         (rise; "ok" when both rose >= 0.15), step seconds, learner tokens/s and samples/s,
@@ -17,7 +16,8 @@ device call cut short still leaves the seeds it finished):
     $OUT/summary.json   the same, machine-readable
     $OUT/curves.csv     seed, step, held-out sampled reward, greedy accuracy, sampled accuracy (step -1:
                         the warm start, before training)
-    $OUT/mem_s<S>.csv   the memory samples (unix time, MiB used)
+    $OUT/runs.tar.gz    per seed: metrics.jsonl, config.json, logs/*.jsonl, the console output and
+                        mem.csv (the memory samples: unix time, MiB used)
     $OUT/seeds.png      launch.report's comparison of the seeds (when matplotlib imports)
 
 Env: SEEDS ("0 1"), RECIPE (gpu1_0p6b; tiny with SMOKE=1), EXTRA (more overrides, space-separated),
@@ -37,6 +37,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from pathlib import Path
@@ -50,6 +51,7 @@ RUN_TIMEOUT_S = float(os.environ.get("RUN_TIMEOUT_S", "480"))
 BUDGET_S = float(os.environ.get("BUDGET_S", "570"))
 OUT = Path(os.environ.get("OUT") or "bench_out").absolute()
 RUN_ROOT = Path(os.environ.get("RUN_ROOT", "/tmp/gpu_recipe_runs"))
+KEEP = RUN_ROOT / "keep"  # what runs.tar.gz packs: one folder per seed
 SMOKE_OVERRIDES = ["coordinator.steps=4", "model.tiny_sft_steps=20", "coordinator.eval_every=2", "data.eval_samples=2",
                    "coordinator.prompts_per_step=8", "coordinator.checkpoint_every=0"]
 RISE = 0.15  # the bar, per seed, for both held-out figures
@@ -107,9 +109,12 @@ def run_seed(seed: int, timeout_s: float) -> dict:
     cmd = [sys.executable, "-m", "launch.cluster", RECIPE, f"seed={seed}", f"run_root={RUN_ROOT}", f"run_id={run_id}",
            *(SMOKE_OVERRIDES if SMOKE else []), *EXTRA]
     print(f"[gpu_recipe] seed {seed}: {' '.join(cmd[1:])} (timeout {timeout_s:.0f} s)", flush=True)
-    sampler = MemorySampler(OUT / f"mem_s{seed}.csv").start()
+    kept = KEEP / run_id
+    shutil.rmtree(kept, ignore_errors=True)
+    kept.mkdir(parents=True)
+    sampler = MemorySampler(kept / "mem.csv").start()
     t0 = time.time()
-    with open(OUT / f"{run_id}.console.txt", "w") as console:
+    with open(kept / "console.txt", "w") as console:
         proc = subprocess.Popen(cmd, cwd=REPO, env=device_env(), stdout=console, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
@@ -124,14 +129,13 @@ def run_seed(seed: int, timeout_s: float) -> dict:
             rc = f"timeout ({rc})"
     wall = time.time() - t0
     samples = sampler.stop()
-    run_dir, kept = RUN_ROOT / run_id, OUT / run_id
-    kept.mkdir(parents=True, exist_ok=True)
+    run_dir = RUN_ROOT / run_id
     for name in ("metrics.jsonl", "config.json"):
         if (run_dir / name).exists():
             shutil.copy2(run_dir / name, kept / name)
     if (run_dir / "logs").is_dir():
         shutil.copytree(run_dir / "logs", kept / "logs", dirs_exist_ok=True)
-    console_text = (OUT / f"{run_id}.console.txt").read_text(errors="replace")
+    console_text = (kept / "console.txt").read_text(errors="replace")
     out = {"seed": seed, "run_id": run_id, "rc": rc, "wall_s": round(wall, 1)}
     out.update(summarize(kept, samples, console_text))
     print(f"[gpu_recipe] seed {seed}: rc {rc}, {wall:.0f} s, {out.get('steps', 0)} steps, "
@@ -213,11 +217,14 @@ def write_summary(results: list[dict], notes: list[str]) -> None:
         lines.append("| " + " | ".join("" if r.get(k) is None else str(r[k]) for k, _ in COLUMNS) + " |")
     lines += [""] + [f"- {n}" for n in notes]
     (OUT / "summary.md").write_text("\n".join(lines) + "\n")
+    with tarfile.open(OUT / "runs.tar.gz", "w:gz") as tar:
+        for r in results:
+            tar.add(KEEP / r["run_id"], arcname=r["run_id"])
     with open(OUT / "curves.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["seed", "step", "eval_reward_mean", "eval_accuracy", "eval_sample_accuracy"])
         for r in results:
-            path = OUT / r["run_id"] / "metrics.jsonl"
+            path = KEEP / r["run_id"] / "metrics.jsonl"
             for row in (json.loads(x) for x in path.read_text().splitlines()) if path.exists() else []:
                 if row.get("eval_accuracy") is not None:
                     w.writerow([r["seed"], row["step"], row.get("eval_reward_mean"), row["eval_accuracy"],
@@ -238,7 +245,7 @@ def main() -> int:
             break
         results.append(run_seed(seed, min(RUN_TIMEOUT_S, left)))
         write_summary(results, notes)
-    runs = [str(OUT / r["run_id"]) for r in results if (OUT / r["run_id"] / "metrics.jsonl").exists()]
+    runs = [str(KEEP / r["run_id"]) for r in results if (KEEP / r["run_id"] / "metrics.jsonl").exists()]
     if runs:
         fig = subprocess.run([sys.executable, "-m", "launch.report", *runs, "--out", str(OUT / "seeds.png")], cwd=REPO,
                              env=device_env(), capture_output=True, text=True, timeout=120)
