@@ -320,7 +320,7 @@ def phase_resume(run_root: Path, steps: int, sft: int, per_step: int, seed: int,
     n_train = _train_items(run_dir)
     if n_train:
         sys.path.insert(0, str(ROOT))
-        from actors.coordinator.coordinator import DataCursor
+        from actors.coordinator.cursor import DataCursor
 
         c = DataCursor(n_train, result["cursor"]["seed"])
         for _ in range(steps):

@@ -181,7 +181,7 @@ async def main() -> dict:
                            n_samples=N, temperature=1.0, device="cuda" if cuda else "cpu")
     mcfg = ModelConfig(path=mdir, dtype="bfloat16" if cuda else "float32")
     t = time.perf_counter()
-    from actors.engines.base import make_engine
+    from actors.engines.registry import make_engine
 
     engine = make_engine(gcfg, mcfg, mdir)
     probe = Probe(engine, cuda)

@@ -3,7 +3,7 @@ sleep/train/sync handshake with CUDA-IPC weight sync between two processes on on
 
     python -m bench.h200                      # MODE=all: learner variants, then the colocated handshake
     MODE=learner VARIANTS=1.7B:0:varlen:lk:16384:nogc python -m bench.h200
-    MODE=colo python -m bench.h200            # (the colocated half's code: bench/h200_colo.py)
+    MODE=colo python -m bench.h200            # (the colocated half's child: python -m bench.h200_colo --colo)
     SMOKE=1 python -m bench.h200              # CPU, tiny shapes: checks the plumbing only
 
 Env: MODE (learner|colo|all), VARIANTS (comma list of model:zero:attn:path[:mbtokens[:nogc|:gc<N>]]; path:
@@ -420,7 +420,8 @@ def parse_variant(s: str) -> dict:
 def child_run(flag: str, spec: dict, timeout: int) -> dict:
     t = time.perf_counter()
     try:
-        p = subprocess.run([sys.executable, "-m", "bench.h200", flag, json.dumps(spec)], cwd=REPO, timeout=timeout,
+        module = "bench.h200_colo" if flag == "--colo" else "bench.h200"  # the colocated child's code is its own module
+        p = subprocess.run([sys.executable, "-m", module, flag, json.dumps(spec)], cwd=REPO, timeout=timeout,
                            capture_output=True, text=True)
     except subprocess.TimeoutExpired as e:
         return dict(spec, error=f"timeout after {timeout}s", tail=(e.stdout or "")[-800:] if isinstance(e.stdout, str) else "")
@@ -486,16 +487,13 @@ def table(rows):
 
 
 def main():
-    if len(sys.argv) > 2 and sys.argv[1] in ("--variant", "--colo", "--build", "--z3diag"):
+    if len(sys.argv) > 2 and sys.argv[1] in ("--variant", "--build", "--z3diag"):
         os.environ.setdefault("PYTHONUNBUFFERED", "1")
         if sys.argv[1] == "--build":
             print(build_model_dir(sys.argv[2]))
             return
         spec = json.loads(sys.argv[2])
-        if sys.argv[1] == "--colo":
-            from bench.h200_colo import run_colo as fn
-        else:
-            fn = {"--variant": run_variant, "--z3diag": run_z3diag}[sys.argv[1]]
+        fn = {"--variant": run_variant, "--z3diag": run_z3diag}[sys.argv[1]]
         row = fn(spec)
         print("ROW " + json.dumps(row), flush=True)
         return

@@ -1,8 +1,8 @@
 """H200 bench, the colocated half: sleep/train/sync handshake with CUDA-IPC weight sync between two
 processes on one GPU (a learner and a TransformersEngine generator), checked bit for bit.
 
-Run through bench/h200.py (`MODE=colo python -m bench.h200`; it starts `--colo` children); this module
-holds the child's code. Invariants: every wait on the generator process is bounded; the engine's
+Run through bench/h200.py (`MODE=colo python -m bench.h200`), which starts this module as its
+`--colo` child (`python -m bench.h200_colo --colo <spec>`, one ROW line out): h200 never imports it. Invariants: every wait on the generator process is bounded; the engine's
 weights after a sync have the learner's exact bits (`fingerprint` on both sides).
 """
 from __future__ import annotations
@@ -300,3 +300,14 @@ def run_colo(spec: dict) -> dict:
     call("stop")
     child.join(timeout=60)
     return res
+
+
+if __name__ == "__main__":
+    import json
+    import os
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] != "--colo":
+        raise SystemExit("usage: python -m bench.h200_colo --colo '<spec json>' (bench.h200 starts it)")
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    print("ROW " + json.dumps(run_colo(json.loads(sys.argv[2]))), flush=True)

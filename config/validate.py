@@ -7,6 +7,10 @@ Invariants:
   prints and saves says which correction the learner applies. An explicit "off" where generation
   can be off-policy (async with max_staleness > 0, or an engine other than the learner's numerics)
   is accepted with a logged warning.
+- Every `auto` is resolved here and nowhere else: the correction (`resolve_correction`), the weight
+  transport and the learner's world size (`resolve_placement`, through the pure
+  config.placement.make_placement), so the config.json a run saves holds no `auto` and loads back
+  to the same config.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from config.placement import make_placement
 from config.schema import ConfigError, RunConfig, expresses_shared_prefix
 
 log = logging.getLogger("config")
@@ -34,7 +39,25 @@ def validate(data: dict) -> RunConfig:
     check(cfg)
     cfg.learner.correction, cfg.learner.correction_cap = resolve_correction(cfg)
     cfg.assembler.share_prompt = cfg.learner.share_prompt
+    resolve_placement(cfg)
     return cfg
+
+
+def resolve_placement(cfg: RunConfig) -> None:
+    """The placement's answers written into the config, once: `device="auto"` (generator, learner) becomes
+    "cuda" on a GPU recipe and "cpu" otherwise, `coordinator.weight_sync="auto"` becomes
+    the transport the placement implies and `learner.num_ranks` the learner's world size (on GPUs the
+    placement decides it). A placement that cannot be built (too few GPUs for the engines) leaves both
+    as given: the launcher, --dry-run and --preflight report its errors."""
+    gpu = cfg.cluster.gpus_per_node > 0
+    for section in (cfg.generator, cfg.learner):
+        if section.device in ("", "auto"):
+            section.device = "cuda" if gpu else "cpu"
+    placement = make_placement(cfg)
+    if placement.errors:
+        return
+    cfg.coordinator.weight_sync = placement.weight_sync
+    cfg.learner.num_ranks = placement.learner_world_size
 
 
 def may_be_off_policy(cfg: RunConfig) -> str:

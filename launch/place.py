@@ -40,7 +40,7 @@ def create_actors(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, mo
     names = names or run_id
 
     from actors.assembler import Assembler
-    from actors.generator.generator import GeneratorActor
+    from actors.generator.shell import GeneratorActor
     from actors.learner.group import LearnerGroup
     from actors.scorer import ScorerActor
     from config.placement import make_placement
@@ -55,7 +55,6 @@ def create_actors(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, mo
         hw = cfg.cluster.stream_high_water
         idle = cfg.cluster.reclaim_idle_s
         ranks = placement.by_role("learner")
-        cfg.learner.num_ranks = len(ranks)  # on GPUs the placement decides (make_placement checked the request)
         learner = LearnerGroup.create(cfg, model_path, total_steps, str(run_dir), names,
                                       rank_options=[actor_options(r, groups) for r in ranks])
         generators = [GeneratorActor.options(name=f"{names}:{slot.name}", **actor_options(slot, groups), **RESTART).remote(
@@ -79,7 +78,6 @@ def place_and_run(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, mo
     names = names or run_id
     learner, generators, scorers, assembler, placement, groups = create_actors(
         cfg, run_id, run_dir, redis_url, model_path, cfg.coordinator.steps, names)
-    cfg.coordinator.weight_sync = placement.weight_sync  # "auto" -> what the placement implies
     try:
         return _drive(cfg, run_id, run_dir, redis_url, model_path, train_items, eval_items, log, names,
                       (learner, generators, scorers, assembler), placement, groups)

@@ -2,6 +2,7 @@ import json
 import subprocess
 import sys
 
+import msgspec
 import pytest
 
 from config import ConfigError, RunConfig, apply_overrides, check_inputs
@@ -118,16 +119,26 @@ def test_ray_dashboard_is_skipped_when_its_modules_are_missing(monkeypatch):
     assert run.dashboard_available() is False
 
 
-def test_a_coordinator_built_directly_resolves_weight_sync_auto():
-    """The launcher resolves coordinator.weight_sync="auto" from the placement; a Coordinator built
-    without it (tests, benches) resolves it the same way instead of treating "auto" as a broadcast."""
-    from actors.coordinator.coordinator import Coordinator
-    from config import RunConfig
+def test_validation_resolves_every_auto_and_the_saved_config_loads_back_the_same():
+    """Every `auto` is resolved once, in validation (the weight transport and the learner's world size
+    through the placement, the devices, the correction): a run's config.json holds no "auto" and
+    validates back to the same config; a Coordinator refuses an unresolved one."""
+    import json
 
-    cfg = RunConfig()
-    assert cfg.coordinator.weight_sync == "auto"
-    c = Coordinator(cfg, "r", "/tmp/arl-unused", "redis://unused", [], [], generators=[], learner=None, assembler=None)
-    assert c.cfg.coordinator.weight_sync == "object_store"
+    from actors.coordinator.coordinator import Coordinator
+    from config import RunConfig, validate
+
+    raw = RunConfig()
+    assert raw.coordinator.weight_sync == "auto" and raw.learner.correction == "auto"
+    for recipe in ("tiny", "bird_1p7b", "bird_32b"):
+        cfg = apply_overrides(get_recipe(recipe), [])
+        text = msgspec.json.encode(cfg).decode()
+        assert '"auto"' not in text, (recipe, [k for k, v in msgspec.to_builtins(cfg).items() if "auto" in json.dumps(v)])
+        assert validate(json.loads(text)) == cfg
+    assert apply_overrides(get_recipe("bird_1p7b"), []).learner.num_ranks == 8  # colocated: every GPU a rank
+    assert apply_overrides(get_recipe("tiny"), []).coordinator.weight_sync == "object_store"
+    with pytest.raises(ValueError, match="validated config"):
+        Coordinator(raw, "r", "/tmp/arl-unused", "redis://unused", [], [], generators=[], learner=None, assembler=None)
 
 
 def test_a_seed_override_seeds_the_data_and_the_sampling_unless_they_are_given():

@@ -60,10 +60,11 @@ _TRAIN_THEN_DIE = """
 import asyncio, os, signal, sys
 from actors.coordinator.coordinator import Coordinator
 from actors.learner.shell import LearnerShell
+from config import apply_overrides
 from config.recipes import tiny
 from tasks.tiny_model import build_tiny
 
-cfg = tiny()
+cfg = apply_overrides(tiny(), [])
 cfg.coordinator.keep_checkpoints = 2
 cfg.coordinator.keep_exports = 3
 run_dir = sys.argv[1]
@@ -90,6 +91,7 @@ def test_checkpoints_export_prune_then_kill_and_resume(tmp_path):
 
     from actors.coordinator.coordinator import Coordinator
     from actors.learner.shell import LearnerShell
+    from config import apply_overrides
     from config.recipes import tiny
 
     run_dir = tmp_path / "run"
@@ -105,7 +107,7 @@ def test_checkpoints_export_prune_then_kill_and_resume(tmp_path):
     assert export.name == "step_5" and read_settings(export)["prompt_style"] == "compact"
     assert (export / "tokenizer.json").is_file() and (export / "generation_config.json").is_file()
 
-    cfg = tiny()
+    cfg = apply_overrides(tiny(), [])
     fresh = LearnerShell(cfg.learner, cfg.model, str(run_dir / "model"), 10, cfg.assembler.micro_batch_tokens)
     resumed = Coordinator(cfg, "exp", str(run_dir), "", [], [], generators=[], learner=fresh, assembler=None)
 

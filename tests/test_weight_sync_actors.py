@@ -9,6 +9,7 @@ import time
 import torch
 
 from actors.coordinator.coordinator import Coordinator
+from config import apply_overrides
 from config.recipes import tiny
 from tasks.tiny_model import build_tiny
 
@@ -38,11 +39,11 @@ class RecordingLog:
 def _learner_generators_coordinator(tmp_path, weight_sync: str, colocated: list[bool]):
     """A LearnerActor on a fresh tiny model, one GeneratorActor per flag (Ray restarts them) and a
     Coordinator over them (no Redis, no assembler: only its sync and heal paths are called)."""
-    from actors.generator.generator import GeneratorActor
+    from actors.generator.shell import GeneratorActor
     from actors.learner.shell import LearnerActor
     from launch.place import RESTART
 
-    cfg = tiny()
+    cfg = apply_overrides(tiny(), [])
     cfg.coordinator.weight_sync = weight_sync
     model_dir = build_tiny(str(tmp_path / "model"), model_cfg=cfg.model, seed=0)
     learner = LearnerActor.options(max_concurrency=4, num_cpus=0).remote(

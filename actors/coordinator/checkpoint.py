@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from actors.coordinator.cursor import DataCursor
 from actors.shell import call
 
 
@@ -26,8 +27,8 @@ class Checkpointing:
 
     async def save_checkpoint(self, step: int) -> Path:
         """DeepSpeed checkpoint + cursor, then the HF export of the same weights (hf/step_<step+1>),
-        then the `latest` marker, then pruning (launch/export.py: never the latest checkpoint)."""
-        from launch.export import prune_checkpoints, prune_exports, write_atomic
+        then the `latest` marker, then pruning (actors/coordinator/export.py: never the latest checkpoint)."""
+        from actors.coordinator.export import prune_checkpoints, prune_exports, write_atomic
 
         path = self.checkpoint_dir(step)
         path.mkdir(parents=True, exist_ok=True)
@@ -50,7 +51,7 @@ class Checkpointing:
 
     async def export_hf(self, steps_done: int) -> Path:
         """The learner writes a Hugging Face directory into a temp dir; it is renamed into place whole."""
-        from launch.export import begin_export, commit_export, export_dir, inference_settings, source_model_dir
+        from actors.coordinator.export import begin_export, commit_export, export_dir, inference_settings, source_model_dir
 
         final = export_dir(self.run_dir, steps_done)
         tmp = begin_export(final)
@@ -68,8 +69,6 @@ class Checkpointing:
         return path if (path / "coordinator.json").exists() else None
 
     async def resume_from(self, path: Path) -> None:
-        from actors.coordinator.coordinator import DataCursor
-
         state = json.loads((path / "coordinator.json").read_text())
         await call(self.learner, "load", str(path / "learner"))
         self.step = state["step"] + 1

@@ -27,7 +27,6 @@ actors/coordinator/checkpoint.py (mixins of Coordinator, with their own invarian
 """
 from __future__ import annotations
 
-import random
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from typing import Any
 import msgspec
 
 from actors.coordinator.checkpoint import Checkpointing, count_outcomes
+from actors.coordinator.cursor import DataCursor
 from actors.coordinator.sync import WeightSyncHandshake
 from actors.shell import call
 from config import RunConfig
@@ -44,41 +44,13 @@ from queues.messages import Event, PromptTask, codec
 EVAL_PREFIX = "eval:"
 
 
-class DataCursor:
-    """Epoch, position and shuffle seed over the training prompts; deterministic and resumable."""
-
-    def __init__(self, num_items: int, seed: int, epoch: int = 0, position: int = 0):
-        self.num_items, self.seed, self.epoch, self.position = num_items, seed, epoch, position
-        self._order = self._shuffle(epoch)
-
-    def _shuffle(self, epoch: int) -> list[int]:
-        order = list(range(self.num_items))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return order
-
-    def take(self, k: int) -> list[int]:
-        out = []
-        while len(out) < k:
-            if self.position >= self.num_items:
-                self.epoch, self.position = self.epoch + 1, 0
-                self._order = self._shuffle(self.epoch)
-            out.append(self._order[self.position])
-            self.position += 1
-        return out
-
-    def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
-
-
 class Coordinator(WeightSyncHandshake, Checkpointing):
     """The step loop (this module's docstring); the weight-sync handshake and checkpoints are mixins."""
 
     def __init__(self, cfg: RunConfig, run_id: str, run_dir: str, redis_url: str, train_items: list, eval_items: list,
                  *, generators: list, learner: Any, assembler: Any, metrics_logger=None, log=None):
-        if cfg.coordinator.weight_sync == "auto":  # the launcher resolves it; a directly built one does here
-            from config.placement import resolve_weight_sync
-
-            cfg.coordinator.weight_sync = resolve_weight_sync(cfg, cfg.cluster.gpus_per_node > 0)
+        if cfg.coordinator.weight_sync == "auto":
+            raise ValueError("Coordinator needs a validated config (config.validate resolves coordinator.weight_sync)")
         self.cfg, self.run_id, self.run_dir, self.redis_url = cfg, run_id, Path(run_dir), redis_url
         self.train_items, self.eval_items = train_items, eval_items
         self.generators, self.learner, self.assembler = generators, learner, assembler

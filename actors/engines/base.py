@@ -292,24 +292,6 @@ def check_wake_tags(tags: list[str] | None) -> list[str]:
     return list(tags)
 
 
-def make_engine(generator_cfg: Any, model_cfg: Any, model_path: str) -> Engine:
-    """The engine named by generator_cfg.engine ("vllm" | "transformers" | "simulated")."""
-    kind = generator_cfg.engine
-    if kind == "transformers":
-        from actors.engines.hf import TransformersEngine
-
-        return TransformersEngine(generator_cfg, model_cfg, model_path)
-    if kind == "vllm":
-        from actors.engines.vllm_engine import VLLMEngine
-
-        return VLLMEngine(generator_cfg, model_cfg, model_path)
-    if kind == "simulated":
-        from actors.engines.simulated import SimulatedEngine
-
-        return SimulatedEngine(generator_cfg, model_cfg, model_path)
-    raise ValueError(f"generator.engine must be 'vllm', 'transformers' or 'simulated', got {kind!r}")
-
-
 def set_visible_devices(device_ids: Any, generator_cfg: Any = None, environ: dict | None = None) -> str:
     """CUDA_VISIBLE_DEVICES = the engine's node-local GPU ids (the placement's, as Ray reports them);
     call before anything initialises CUDA in this process. One-line ValueError naming `device_ids`."""

@@ -22,7 +22,7 @@ Invariants:
   never waits for the longest response. A waiting `pause()` or `sleep` continues parked requests
   first (they must finish before it returns).
 
-`GeneratorActor` (actors/generator/shell.py, importable from here too) is the thin Ray shell.
+`GeneratorActor` (actors/generator/shell.py) is the thin Ray shell.
 """
 from __future__ import annotations
 
@@ -336,12 +336,3 @@ class Generator:
         }
         out.update(self.engine.stats())
         return out
-
-
-def __getattr__(name: str):
-    """`actors.generator.generator.GeneratorActor` stays importable; the Ray shell lives in actors/generator/shell.py."""
-    if name == "GeneratorActor":
-        from actors.generator.shell import GeneratorActor
-
-        return GeneratorActor
-    raise AttributeError(f"module 'actors.generator.generator' has no attribute {name!r}")

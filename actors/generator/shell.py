@@ -29,7 +29,8 @@ class GeneratorShell:
 
     def __init__(self, generator_cfg: Any, model_cfg: Any, model_path: str, *, reclaim_idle_s: float = 30.0,
                  stream_high_water: int = 4096, colocated: bool = False, device_ids: list[int] | None = None):
-        from actors.engines.base import DeferredEngine, make_engine, set_visible_devices
+        from actors.engines.base import DeferredEngine, set_visible_devices
+        from actors.engines.registry import make_engine
 
         if device_ids is not None:
             set_visible_devices(device_ids, generator_cfg)

@@ -77,7 +77,7 @@ class LearnerShell:
 
     def listen(self) -> tuple[str, int]:
         """Rank 0 of a world > 1: binds the world's store; returns where the others connect."""
-        from actors.learner.group import bind_store
+        from actors.learner.world import bind_store
 
         self._store, host, port = bind_store(self.world_size)
         return host, port
@@ -85,7 +85,7 @@ class LearnerShell:
     def join(self, host: str, port: int) -> None:
         """Every rank of a world > 1, concurrently: joins the process group, then builds the Learner
         (deepspeed.initialize is collective)."""
-        from actors.learner.group import init_world
+        from actors.learner.world import init_world
 
         device = self._args[0].device
         cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
