@@ -51,3 +51,17 @@ def local_ray():
     """A real local Ray for one test (see ray_cluster)."""
     with ray_cluster() as ray:
         yield ray
+
+
+# The fast lane (`pytest -m "not slow"`, README): everything but these files, which start a whole run
+# (launcher, Ray cluster, several actors) or a server. CI still runs everything.
+SLOW_FILES = frozenset({
+    "test_tiny_e2e.py", "test_chaos.py", "test_preflight.py", "test_learner_ranks.py", "test_serve.py",
+    "test_export.py", "test_weight_sync_actors.py", "test_security.py", "test_tiny_episodes_e2e.py",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)

@@ -94,13 +94,13 @@ def test_launcher_builds_the_plan_s_placement_fake_gpu_actors_stand_in(cluster_3
     import ray
 
     import actors.assembler
-    import actors.generator.generator
+    import actors.generator.shell
     import actors.learner.shell
     import actors.scorer
     from launch.place import create_actors, group_nodes, remove_groups
     from launch.plan import make_plan
 
-    for module, name in ((actors.generator.generator, "GeneratorActor"), (actors.learner.shell, "LearnerActor"),
+    for module, name in ((actors.generator.shell, "GeneratorActor"), (actors.learner.shell, "LearnerActor"),
                          (actors.scorer, "ScorerActor")):
         monkeypatch.setattr(module, name, ray.remote(_StandIn))
     monkeypatch.setattr(actors.assembler, "Assembler", _StandIn)
@@ -148,12 +148,12 @@ def _place_looping(monkeypatch, tmp_path, name: str):
     import ray
 
     import actors.assembler
-    import actors.generator.generator
+    import actors.generator.shell
     import actors.learner.shell
     import actors.scorer
     from launch.place import create_actors
 
-    for module, attr in ((actors.generator.generator, "GeneratorActor"), (actors.learner.shell, "LearnerActor"),
+    for module, attr in ((actors.generator.shell, "GeneratorActor"), (actors.learner.shell, "LearnerActor"),
                          (actors.scorer, "ScorerActor")):
         monkeypatch.setattr(module, attr, ray.remote(_Looping))
     monkeypatch.setattr(actors.assembler, "Assembler", _Looping)
