@@ -31,6 +31,7 @@ import structlog
 import torch
 
 from config import AssemblerConfig
+from policies.episode import episode_metrics
 from policies.grpo import group_advantages
 from policies.packing import plan_micro_batches, split_minibatches
 from policies.prefix import plan_group_micro_batches
@@ -135,6 +136,7 @@ def step_metrics(groups: list[ScoredGroup], outcomes: dict[str, str]) -> dict[st
         "truncated_frac": sum(truncated) / len(truncated) if truncated else 0.0,
         "prompts": float(len(outcomes)),
     }
+    m.update(episode_metrics(groups))  # turns_mean, tool_use_frac, revision_gain, ... (0 / 1 for one-shot steps)
     for outcome in OUTCOMES:
         m[f"prompts_{outcome}"] = float(sum(o == outcome for o in outcomes.values()))
     for verdict in set(verdicts):

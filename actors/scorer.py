@@ -9,7 +9,9 @@ Invariants:
   mid-group leaves the message pending for a live scorer to reclaim; nothing is lost. A message
   that cannot be decoded is acked and counted (retrying it could never succeed).
 - Gold results are cached per (database, gold SQL); identical predictions in a group run once.
-- The scorer never sees the model: it scores the text the generator put in each Sample.
+- The scorer never sees the model: it scores the text the generator put in each Sample, or, for a
+  multi-turn episode, its final `answer` as is (an empty answer is "no_sql"); an episode group also
+  gets `first_query_rewards` (its first query scored as if it were the answer).
 - With a `db_root` (the run's BIRD or synthetic data directory; the actor reads $ARL_DB_ROOT, which
   the launcher sets), a task whose `db_path` does not resolve to a file under it is never opened: every
   sample gets "bad_db_path" and the group is excluded like a failed gold (a writer to a shared Redis
@@ -57,6 +59,7 @@ class Scorer:
         start = time.monotonic()
         n = len(group.samples)
         gold_failed = False
+        first_rewards: list[float] = []
         if group.error:
             verdicts = [GENERATION_ERROR] * n
             rewards = [reward_for(GENERATION_ERROR)] * n
@@ -68,9 +71,18 @@ class Scorer:
             gold_failed = True  # excluded from training, counted as the step's gold_failed outcome
         else:
             texts = [s.text for s in group.samples]
-            result = await score_group(self.pool, group.task.db_path, group.task.gold_sql, texts, self.gold_cache)
+            episodes = any(s.turns > 1 or s.queries for s in group.samples)
+            answers = [s.answer if episodes else None for s in group.samples]  # an episode's final SQL as is
+            result = await score_group(self.pool, group.task.db_path, group.task.gold_sql, texts, self.gold_cache,
+                                       answers=answers)
             verdicts, rewards, gold_failed = result.verdicts, result.rewards, result.gold_failed
             self.pred_queries += result.executed
+            if episodes and not gold_failed:  # what the first query would have earned (revision_gain)
+                firsts = [s.queries[0] if s.queries else s.answer for s in group.samples]
+                first = await score_group(self.pool, group.task.db_path, group.task.gold_sql, texts, self.gold_cache,
+                                          answers=firsts)
+                first_rewards = first.rewards
+                self.pred_queries += first.executed
             if gold_failed:
                 log.warning("scorer.gold_failed", prompt_id=group.task.prompt_id, db_path=group.task.db_path,
                             error=str(result.gold_error)[:300])
@@ -81,7 +93,8 @@ class Scorer:
         self.verdicts.update(verdicts)
         self.score_seconds += seconds
         return ScoredGroup(rollout=group, rewards=rewards, verdicts=verdicts, gold_failed=gold_failed,
-                           scorer_id=self.scorer_id, score_seconds=seconds, scored_at=time.time())
+                           scorer_id=self.scorer_id, score_seconds=seconds, scored_at=time.time(),
+                           first_query_rewards=first_rewards)
 
     def _allowed(self, db_path: str) -> bool:
         if not self.db_root:

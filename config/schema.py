@@ -101,6 +101,13 @@ class GeneratorConfig(_Section):
     # requests, then aborts them: they are published as failed groups, never hang the run
     engine_kwargs: dict[str, Any] = {}  # passed to the engine as a plain (deep-converted) dict
     num_cpus: float = 1.0  # Ray CPU request per generator actor
+    # Multi-turn episodes (policies/episode.py): > 1 lets the model run queries and revise before it
+    # answers; 1 is the one-shot protocol exactly.
+    max_turns: int = 1
+    max_observation_tokens: int = 128  # one observation block, tags included
+    tool_workers: int = 2  # the generator's own query processes (tasks/executor.py)
+    tool_timeout_s: float = 0.0  # per query; 0: the scorer's timeout_s (resolved in validation)
+    tool_max_rows: int = 0  # 0: the scorer's max_rows (resolved in validation)
 
 
 class ScorerConfig(_Section):

@@ -44,11 +44,16 @@ def validate(data: dict) -> RunConfig:
 
 
 def resolve_placement(cfg: RunConfig) -> None:
-    """The placement's answers written into the config, once: `device="auto"` (generator, learner) becomes
+    """The placement's answers written into the config, once (and the generator's query limits: 0 is the
+    scorer's): `device="auto"` (generator, learner) becomes
     "cuda" on a GPU recipe and "cpu" otherwise, `coordinator.weight_sync="auto"` becomes
     the transport the placement implies and `learner.num_ranks` the learner's world size (on GPUs the
     placement decides it). A placement that cannot be built (too few GPUs for the engines) leaves both
     as given: the launcher, --dry-run and --preflight report its errors."""
+    if not cfg.generator.tool_timeout_s:
+        cfg.generator.tool_timeout_s = cfg.scorer.timeout_s
+    if not cfg.generator.tool_max_rows:
+        cfg.generator.tool_max_rows = cfg.scorer.max_rows
     gpu = cfg.cluster.gpus_per_node > 0
     for section in (cfg.generator, cfg.learner):
         if section.device in ("", "auto"):
@@ -100,6 +105,11 @@ def check(cfg: RunConfig) -> None:
     need(cfg.learner.checkpoint_layers >= -1, "learner.checkpoint_layers", "must be -1 (every layer) or >= 0")
     need(0 <= cfg.learner.warmup_ratio < 1, "learner.warmup_ratio", "must be in [0, 1)")
     need(cfg.learner.num_ranks >= 1, "learner.num_ranks", "must be >= 1")
+    need(cfg.generator.max_turns >= 1, "generator.max_turns", "must be >= 1 (1: one-shot answers)")
+    need(cfg.generator.max_observation_tokens >= 8, "generator.max_observation_tokens", "must be >= 8")
+    need(cfg.generator.tool_workers >= 1, "generator.tool_workers", "must be >= 1")
+    need(cfg.generator.tool_timeout_s >= 0, "generator.tool_timeout_s", "must be >= 0 (0: the scorer's timeout_s)")
+    need(cfg.generator.tool_max_rows >= 0, "generator.tool_max_rows", "must be >= 0 (0: the scorer's max_rows)")
     need(cfg.coordinator.prompts_per_step >= 1, "coordinator.prompts_per_step", "must be >= 1")
     need(cfg.coordinator.steps >= 0, "coordinator.steps", "must be >= 0")
     need(cfg.coordinator.keep_checkpoints >= 0, "coordinator.keep_checkpoints", "must be >= 0 (0 keeps all)")

@@ -111,7 +111,7 @@ def load_prompts(cfg: RunConfig, model_path: str, bird_dir: str, log) -> tuple[l
         if limit:
             questions = questions[:limit]
         items, dropped = build_prompts(questions, tokenizer, cfg.data.max_prompt_tokens, style=style,
-                                       sample_values=cfg.data.sample_values)
+                                       sample_values=cfg.data.sample_values, max_turns=cfg.generator.max_turns)
         log.info("prompts", split=split, kept=len(items), dropped_over_budget=dropped)
         out.append(items)
     if not out[0]:

@@ -92,15 +92,19 @@ def _ident(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
 
 
-def render_prompt(question: str, evidence: str, schema_text: str, style: str = "omnisql") -> str:
+def render_prompt(question: str, evidence: str, schema_text: str, style: str = "omnisql", max_turns: int = 1) -> str:
+    """The prompt; with max_turns > 1 it also says how to run queries first (policies/episode.py), and
+    with max_turns = 1 it is the one-shot prompt exactly."""
+    from policies.episode import instructions
+
     if style == "omnisql":
         question_block = f"{evidence}\n{question}" if evidence else question
-        return _OMNISQL.format(schema=schema_text, question_block=question_block)
+        return _OMNISQL.format(schema=schema_text, question_block=question_block) + instructions(style, max_turns)
     if style == "compact":
         lines = [schema_text, f"Q: {question}"]
         if evidence:
             lines.append(f"E: {evidence}")
-        lines.append("SQL:")
+        lines.append(instructions(style, max_turns).strip() + "\nSQL:" if max_turns > 1 else "SQL:")
         return "\n".join(lines)
     raise ValueError(f"unknown prompt style {style!r}; expected one of {', '.join(STYLES)}")
 

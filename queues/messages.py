@@ -85,6 +85,12 @@ class Sample(msgspec.Struct, kw_only=True):
     text: str = ""
     versions: bytes = b""  # packed int32, the policy version of each token; b"": all the group's
     loss_mask: bytes = b""  # packed int32 0/1 per token (0: an observation token); b"": all ones
+    # Multi-turn episodes (generator.max_turns > 1; policies/episode.py). One-shot samples keep the defaults.
+    turns: int = 1  # model turns in the episode
+    queries: list[str] = []  # the SQL the model ran, in order
+    tool_errors: int = 0  # queries that errored or timed out
+    answer: str = ""  # the final SQL the reward scores; "": the scorer extracts it from `text`
+    executor_wait_s: float = 0.0  # seconds the episode waited on its queries
 
 
 def sample_versions(sample: Sample, group_version: int) -> np.ndarray:
@@ -144,6 +150,9 @@ class ScoredGroup(Message, kw_only=True):
     scorer_id: str = ""
     score_seconds: float = 0.0
     scored_at: float = 0.0
+    # Per sample: the reward the episode's first query would have earned as its answer (the final
+    # answer's reward when it ran none); [] for one-shot groups. revision_gain = rewards - these.
+    first_query_rewards: list[float] = []
 
 
 class TrainGroup(msgspec.Struct, kw_only=True):

@@ -204,7 +204,8 @@ def schema_text(schema: Schema, style: str, sample_values: int) -> str:
 
 
 def build_prompts(questions: list[Question], tokenizer, max_prompt_tokens: int, style: str = "omnisql",
-                  sample_values: int = 3, use_chat_template: bool | None = None) -> tuple[list[PromptItem], int]:
+                  sample_values: int = 3, use_chat_template: bool | None = None,
+                  max_turns: int = 1) -> tuple[list[PromptItem], int]:
     """Renders and tokenizes every question; returns the prompts within budget and how many were
     dropped for being over it. The compact style skips the chat template by default."""
     if use_chat_template is None:
@@ -214,7 +215,7 @@ def build_prompts(questions: list[Question], tokenizer, max_prompt_tokens: int, 
     for q in questions:
         if q.db_path not in texts:
             texts[q.db_path] = schema_text(read_schema(q.db_path, sample_values), style, sample_values)
-        text = render_prompt(q.question, q.evidence, texts[q.db_path], style)
+        text = render_prompt(q.question, q.evidence, texts[q.db_path], style, max_turns)
         ids = tokenize_prompt(text, tokenizer, max_prompt_tokens, use_chat_template)
         if ids is None:
             dropped += 1

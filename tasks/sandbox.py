@@ -47,6 +47,7 @@ class ExecResult:
     rows: list = field(default_factory=list)  # list of tuples (empty unless status == ok)
     error: str = ""
     seconds: float = 0.0
+    columns: list = field(default_factory=list)  # the result's column names (status == ok)
 
 
 # Authorizer action codes a read-only SELECT needs; everything else is refused.
@@ -105,7 +106,8 @@ def execute_readonly(db_path: str, sql: str, timeout_s: float = 30.0, max_rows: 
             rows.extend(batch)
             if len(rows) > max_rows:
                 return ExecResult(TOO_MANY_ROWS, error=f"more than {max_rows} rows", seconds=time.monotonic() - start)
-        return ExecResult(OK, rows=[tuple(r) for r in rows], seconds=time.monotonic() - start)
+        return ExecResult(OK, rows=[tuple(r) for r in rows], seconds=time.monotonic() - start,
+                          columns=[d[0] for d in cur.description])
     except sqlite3.OperationalError as e:
         if time.monotonic() > deadline or "interrupted" in str(e):
             return ExecResult(TIMEOUT, error=f"exceeded {timeout_s:g} s", seconds=time.monotonic() - start)
@@ -154,9 +156,9 @@ def _worker_main(conn, memory_mb: int, temp_store_mb: int) -> None:
         except Exception as e:  # noqa: BLE001 - the worker must answer, whatever went wrong
             result = ExecResult(ERROR, error=one_line(e, 300))
         try:
-            conn.send((result.status, result.rows, result.error, result.seconds))
+            conn.send((result.status, result.rows, result.error, result.seconds, result.columns))
         except MemoryError:
-            conn.send((ERROR, [], "MemoryError: result too large for the worker memory limit", result.seconds))
+            conn.send((ERROR, [], "MemoryError: result too large for the worker memory limit", result.seconds, []))
 
 
 @dataclass
@@ -336,8 +338,8 @@ class SqlPool:
                     continue
                 if w.conn in ready:
                     try:
-                        status, rows, error, seconds = w.conn.recv()
-                        self._finish(w, ExecResult(status, rows, error, seconds))
+                        status, rows, error, seconds, columns = w.conn.recv()
+                        self._finish(w, ExecResult(status, rows, error, seconds, columns))
                     except (EOFError, OSError):  # died mid-query (e.g. killed by the kernel)
                         self._replace(i)  # replaced before answering: callers never see a dead worker
                         self._finish(w, ExecResult(ERROR, error="worker process died while running the query"))
@@ -424,13 +426,16 @@ class GroupScore:
 
 
 async def score_group(pool: SqlPool, db_path: str, gold_sql: str, completion_texts: list[str],
-                      gold_cache: GoldCache | None = None) -> GroupScore:
-    """Scores one prompt's completions: gold once (cached), each distinct predicted SQL once."""
+                      gold_cache: GoldCache | None = None, answers: list[str | None] | None = None) -> GroupScore:
+    """Scores one prompt's completions: gold once (cached), each distinct predicted SQL once.
+    `answers[i]`, where given and not None, is completion i's SQL as is (a multi-turn episode's
+    final answer); otherwise it is extracted from the text."""
     from policies.sql_reward import extract_sql, reward_for, verdict_for
 
     gold_fut = (gold_cache.get_future(pool, db_path, gold_sql) if gold_cache is not None
                 else pool.submit(db_path, gold_sql))
-    preds = [extract_sql(t) for t in completion_texts]
+    preds = [((answers[i] or None) if answers is not None and answers[i] is not None else extract_sql(t))
+             for i, t in enumerate(completion_texts)]  # an empty given answer is "no_sql"
     distinct = sorted({p for p in preds if p is not None})
     pred_futs = {sql: pool.submit(db_path, sql) for sql in distinct}
     gold = await asyncio.wrap_future(gold_fut)

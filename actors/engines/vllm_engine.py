@@ -205,6 +205,8 @@ class VLLMEngine(PartialRequests, Engine):
         self.max_model_len = int(getattr(getattr(self.llm, "model_config", None), "max_model_len", 0)
                                  or getattr(hf_config, "max_position_embeddings", 1 << 30))
         self.vocab_size = getattr(hf_config, "vocab_size", None)
+        self._tokenizer_path = args["tokenizer"]
+        self._tokenizer = None
         if generator_cfg.top_p < 1 or generator_cfg.top_k > 0:
             log.warning("vLLM processed log-probs are renormalised by top_p/top_k; the first PPO ratio will not be 1")
         self._ids = itertools.count()
@@ -212,6 +214,16 @@ class VLLMEngine(PartialRequests, Engine):
         self._m = {"requests": 0, "tokens": 0, "busy_s": 0.0}
         self._load_s = 0.0
         self.worker_memory: list[dict[str, float]] = []  # each worker's, after the last weight update
+
+    @property
+    def tokenizer(self):
+        """The model's Hugging Face tokenizer (loaded on first use: multi-turn episodes tokenize their
+        observations with it, alone, as policies/episode.py says)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path)
+        return self._tokenizer
 
     async def generate(self, task: PromptTask) -> RolloutGroup:
         s = resolve_sampling(self.cfg, task)

@@ -44,9 +44,11 @@ ABORT_GRACE_S = 30.0  # after a pause timed out and aborted its requests, how lo
 
 class Generator:
     def __init__(self, engine: Engine, generator_cfg: Any, *, reclaim_idle_s: float = 30.0,
-                 stream_high_water: int = 4096, consume_block_ms: int = 200):
+                 stream_high_water: int = 4096, consume_block_ms: int = 200, tokenizer: Any = None):
         self.engine = engine
         self.cfg = generator_cfg
+        self._tokenizer = tokenizer  # multi-turn episodes: the observations' tokenizer (default: the engine's)
+        self.episodes = None  # actors/generator/episode.py EpisodeRunner, built on first use (max_turns > 1)
         self.max_inflight = max(1, int(generator_cfg.max_inflight_prompts))
         self.reclaim_idle_ms = int(reclaim_idle_s * 1000)
         self.stream_high_water = stream_high_water
@@ -201,7 +203,10 @@ class Generator:
         if self._first_start is None:
             self._first_start = queued_at
         try:
-            group = await self.engine.generate(task)
+            if int(getattr(self.cfg, "max_turns", 1)) > 1:
+                group = await self._episode_runner().generate(task)
+            else:
+                group = await self.engine.generate(task)
         except (TaskError, EngineAsleep) as e:
             return self._error_group(task, str(e).splitlines()[0], queued_at)
         except asyncio.CancelledError:
@@ -216,6 +221,22 @@ class Generator:
             group.error = f"task {task.task_id}: aborted"
         self._last_finish = time.time()
         return group
+
+    def _episode_runner(self):
+        if self.episodes is None:
+            from actors.generator.episode import EpisodeRunner
+            from tasks.executor import ToolExecutor
+
+            c = self.cfg
+            executor = ToolExecutor(workers=c.tool_workers, timeout_s=c.tool_timeout_s or 30.0,
+                                    max_rows=c.tool_max_rows or 100_000)
+            self.episodes = EpisodeRunner(self.engine, c, self._tokenizer or self.engine.tokenizer, executor)
+        return self.episodes
+
+    def close_episodes(self) -> None:
+        """Stops the episode executor's query processes (a no-op without episodes)."""
+        if self.episodes is not None:
+            self.episodes.executor.close()
 
     def _error_group(self, task: PromptTask, error: str, queued_at: float) -> RolloutGroup:
         now = time.time()
@@ -335,4 +356,6 @@ class Generator:
             "policy_version": float(self.engine.version),
         }
         out.update(self.engine.stats())
+        if self.episodes is not None:
+            out.update({f"generator_{k}": v for k, v in self.episodes.executor.stats().items()})
         return out

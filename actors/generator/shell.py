@@ -108,7 +108,9 @@ class GeneratorShell:
         self.gen.abort()
 
     async def close(self) -> None:
-        """The run's end, after stop(): the engine shuts down (vLLM's engine core process exits)."""
+        """The run's end, after stop(): the engine shuts down (vLLM's engine core process exits) and the
+        episode executor's query processes end."""
+        self.gen.close_episodes()
         await self.gen.engine.close()
 
     async def sleep(self, level: int) -> None:
