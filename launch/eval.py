@@ -143,15 +143,22 @@ def summary_table(rows: list[dict]) -> str:
 # -- generating with a model ----------------------------------------------------------------------
 
 
-def generate(engine, items, samples: int, temperature: float) -> dict[str, list[str]]:
+def generate(engine, items, samples: int, temperature: float, runner=None, episodes: dict | None = None) -> dict[str, list[str]]:
     """{question_id: completion texts} for every prompt item, all submitted at once (the engine
-    batches them); a prompt the engine refuses gets no texts. Progress on stderr when it is a terminal."""
+    batches them); a prompt the engine refuses gets no texts. Progress on stderr when it is a terminal.
+    With a multi-turn `runner` (actors/generator/episode.py) each sample is an episode: its text is its
+    final answer as a ```sql block and `episodes[question_id]` gets every turn of every sample."""
     import asyncio
 
     from tqdm import tqdm
 
     from actors.engines.base import TaskError
     from queues.messages import PromptTask
+
+    def text_of(smp):
+        if runner is None:
+            return smp.text
+        return f"```sql\n{smp.answer}\n```" if smp.answer else ""
 
     async def run_all() -> dict[str, list[str]]:
         sampling = {"temperature": temperature, "n": samples}
@@ -161,10 +168,13 @@ def generate(engine, items, samples: int, temperature: float) -> dict[str, list[
 
         async def one(qid, task):
             try:
-                group = await engine.generate(task)
+                group = await (runner or engine).generate(task)
             except TaskError:
                 return qid, []
-            return qid, [smp.text for smp in group.samples if smp.finish_reason != "error"]
+            if episodes is not None:
+                episodes[qid] = [{"turns": smp.turns, "queries": smp.queries, "tool_errors": smp.tool_errors,
+                                  "answer": smp.answer, "text": smp.text} for smp in group.samples]
+            return qid, [text_of(smp) for smp in group.samples if smp.finish_reason != "error"]
 
         out: dict[str, list[str]] = {}
         with tqdm(total=len(tasks), desc="generating", unit="q", file=sys.stderr, disable=None) as bar:
@@ -213,6 +223,20 @@ def official_predictions(questions, preds: dict[str, str]) -> dict[str, str]:
     return {str(i): f"{preds.get(q.question_id) or ''}{_BIRD_SEP}{q.db_id}" for i, q in enumerate(questions)}
 
 
+def episode_runner(engine, tokenizer, args):
+    """A multi-turn runner over the export's engine for --max-turns k > 1 (None for one-shot answers);
+    its queries run under the eval's own --timeout and --max-rows."""
+    if args.max_turns <= 1:
+        return None
+    import msgspec
+
+    from actors.generator.episode import EpisodeRunner
+    from tasks.executor import ToolExecutor
+
+    cfg = msgspec.structs.replace(engine.cfg, max_turns=args.max_turns)
+    return EpisodeRunner(engine, cfg, tokenizer, ToolExecutor(workers=2, timeout_s=args.timeout, max_rows=args.max_rows))
+
+
 def evaluate_model(args, questions) -> int:
     from launch.export import load_engine
     from tasks.bird import build_prompts
@@ -221,10 +245,13 @@ def evaluate_model(args, questions) -> int:
                                               max_tokens=args.max_tokens, seed=args.seed)
     items, dropped = build_prompts(questions, tokenizer, int(settings["max_prompt_tokens"]),
                                    style=settings["prompt_style"], sample_values=int(settings["sample_values"]),
-                                   use_chat_template=bool(settings["use_chat_template"]))
+                                   use_chat_template=bool(settings["use_chat_template"]), max_turns=args.max_turns)
     temperature = args.temperature if args.temperature is not None else (
         0.0 if args.samples == 1 else float(settings["temperature"]))
-    texts = generate(engine, items, args.samples, temperature)
+    runner, episodes = episode_runner(engine, tokenizer, args), {}
+    texts = generate(engine, items, args.samples, temperature, runner, episodes if runner else None)
+    if runner is not None:
+        runner.executor.close()
     out_dir = Path(args.out_dir or f"eval-{Path(args.model).name}-{args.split}")
     out_dir.mkdir(parents=True, exist_ok=True)
     with SqlPool(workers=args.workers, timeout_s=args.timeout, max_rows=args.max_rows) as pool:
@@ -236,6 +263,8 @@ def evaluate_model(args, questions) -> int:
                  completion=(texts.get(q.question_id) or [""])[0])
         if args.samples > 1:
             r["sample_sqls"] = f["sample_sqls"]
+        if runner is not None:  # every turn of every sample: its queries, the observations, the answer
+            r["episodes"] = episodes.get(q.question_id, [])
     pred_path = out_dir / f"predict_{args.split}.json"
     pred_path.write_text(json.dumps(official_predictions(questions, preds), indent=1))
     with open(out_dir / "results.jsonl", "w", encoding="utf-8") as f:
@@ -274,12 +303,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=16, help="transformers engine: prompts decoded together")
     p.add_argument("--limit", type=int, default=0, help="only the first N questions")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-turns", type=int, default=1, help="with --model: k > 1 lets the model run queries and "
+                   "revise before it answers (multi-turn episodes; every turn goes into results.jsonl)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per query (BIRD's default is 30)")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--max-rows", type=int, default=1_000_000)
     args = p.parse_args(argv)
-    if args.timeout <= 0 or args.workers < 1 or args.samples < 1 or args.batch_size < 1 or args.limit < 0:
-        print("error: --timeout must be > 0, --workers, --samples and --batch-size >= 1, --limit >= 0", file=sys.stderr)
+    if (args.timeout <= 0 or args.workers < 1 or args.samples < 1 or args.batch_size < 1 or args.limit < 0
+            or args.max_turns < 1):
+        print("error: --timeout must be > 0, --workers, --samples, --batch-size and --max-turns >= 1, --limit >= 0",
+              file=sys.stderr)
         return 2
     from launch.export import ExportError, read_settings
 

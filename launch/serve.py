@@ -3,7 +3,7 @@
     python -m launch.serve --model runs/<run>/hf/step_<N> --bird-dir DIR [--split dev] [--replicas N]
                            [--host 127.0.0.1] [--port 8000] [--engine transformers|vllm] [--max-batch-size 8]
 
-Routes: `POST /v1/sql` {"question", "db_id", "evidence"?, "execute"?} -> the SQL (and with execute the
+Routes: `POST /v1/sql` {"question", "db_id", "evidence"?, "execute"?, "max_turns"?} -> the SQL (and with execute the
 rows, row-capped, or a verdict-style error) and timings; `POST /v1/execute` {"db_id", "sql"} runs SQL
 only; `GET /v1/databases` the db_ids with their tables and columns; `GET /v1/stats` this replica's
 counters; `GET /healthz`; `GET /` a page to try it by hand (launch/serve_page.py).
@@ -96,6 +96,8 @@ def field_of(body: Any, name: str, kind: type, required: bool = True, max_chars:
     value = body[name]
     if kind is bool and not isinstance(value, bool) or kind is str and not isinstance(value, str):
         raise RequestError(422, f"field {name!r} must be a {'boolean' if kind is bool else 'string'}, got {type(value).__name__}")
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise RequestError(422, f"field {name!r} must be an integer, got {type(value).__name__}")
     if kind is str:
         value = value.strip()
         if required and not value:
@@ -147,6 +149,9 @@ async def _unexpected(request: Request, e: Exception) -> JSONResponse:
     return _error(500, f"internal error: {type(e).__name__}: {e}")
 
 
+MAX_TURNS = 8  # /v1/sql's max_turns at most
+
+
 @serve.deployment(name="SqlService")
 @serve.ingress(app)
 class SqlService:
@@ -184,12 +189,25 @@ class SqlService:
         results = await asyncio.gather(*(self.engine.generate(t) for t in tasks), return_exceptions=True)
         return [(r, len(tasks)) for r in results]
 
-    def _task(self, db_id: str, question: str, evidence: str):
+    def _episodes(self, max_turns: int):
+        """The multi-turn runner (actors/generator/episode.py) for a request's max_turns; queries run in
+        the service's own bounded executor under its SQL limits."""
+        import msgspec
+
+        from actors.generator.episode import EpisodeRunner
+        from tasks.executor import ToolExecutor
+
+        if getattr(self, "_executor", None) is None:
+            self._executor = ToolExecutor(workers=2, timeout_s=self.opts.sql_timeout_s, max_rows=self.opts.sql_max_rows)
+        return EpisodeRunner(self.engine, msgspec.structs.replace(self.engine.cfg, max_turns=max_turns), self.tokenizer,
+                             self._executor)
+
+    def _task(self, db_id: str, question: str, evidence: str, max_turns: int = 1):
         from policies.prompt import render_prompt, tokenize_prompt
         from queues.messages import PromptTask, pack_ids
 
         s = self.settings
-        text = render_prompt(question, evidence, self.schema_texts[db_id], s["prompt_style"])
+        text = render_prompt(question, evidence, self.schema_texts[db_id], s["prompt_style"], max_turns)
         ids = tokenize_prompt(text, self.tokenizer, int(s["max_prompt_tokens"]), bool(s["use_chat_template"]))
         if ids is None:
             raise RequestError(422, f"the prompt for this question on {db_id!r} is over the model's prompt budget "
@@ -231,10 +249,16 @@ class SqlService:
         db_id = self._db(body)
         evidence = field_of(body, "evidence", str, required=False, max_chars=self.opts.max_evidence_chars) or ""
         execute = bool(field_of(body, "execute", bool, required=False))
-        task = self._task(db_id, question, evidence)
+        max_turns = field_of(body, "max_turns", int, required=False) or 1
+        if not 1 <= max_turns <= MAX_TURNS:
+            raise RequestError(422, f"field 'max_turns' must be in 1..{MAX_TURNS}, got {max_turns}")
+        task = self._task(db_id, question, evidence, max_turns)
         self.counters["requests"] += 1
         try:
-            group, batch = await asyncio.wait_for(self.generate_batch(task), self.opts.request_timeout_s)
+            if max_turns > 1:  # an episode: its turns are requests to the engine, which batches them itself
+                group, batch = await asyncio.wait_for(self._episodes(max_turns).generate(task), self.opts.request_timeout_s), 1
+            else:
+                group, batch = await asyncio.wait_for(self.generate_batch(task), self.opts.request_timeout_s)
         except asyncio.TimeoutError:
             raise RequestError(504, f"generation took over {self.opts.request_timeout_s:g} s") from None
         gen_s = time.perf_counter() - start
@@ -243,9 +267,11 @@ class SqlService:
         if isinstance(group, BaseException):
             raise group
         sample = group.samples[0]
-        sql = extract_sql(sample.text)
+        sql = (sample.answer or None) if max_turns > 1 else extract_sql(sample.text)
         out: dict[str, Any] = {"db_id": db_id, "question": question, "sql": sql, "completion": sample.text,
                                "finish_reason": sample.finish_reason, "batch_size": batch}
+        if max_turns > 1:  # every turn: the queries it ran (the completion holds their observations)
+            out.update(turns=sample.turns, queries=sample.queries, tool_errors=sample.tool_errors)
         timings = {"generate_s": round(gen_s, 4)}
         if execute:
             if sample.finish_reason == "error":

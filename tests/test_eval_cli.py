@@ -131,6 +131,22 @@ def test_model_samples_majority_vote_and_pass_at_k(export, tmp_path, capsys):
         assert r["sql"] in [s for s in r["sample_sqls"] if s] + [""]
 
 
+def test_model_with_max_turns_writes_every_turn_and_scores_the_final_answers(export, tmp_path, capsys):
+    """--max-turns 2: each question is a multi-turn episode; results.jsonl holds its turns and the SQL
+    scored is its final answer."""
+    model, bird = export
+    out = tmp_path / "ev"
+    assert main(["--bird-dir", str(bird), "--model", str(model), "--engine", "transformers", "--device", "cpu",
+                 "--max-turns", "2", "--limit", "4", "--out-dir", str(out), "--workers", "1", "--timeout", "5"]) == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
+    for r in rows:
+        (episode,) = r["episodes"]
+        assert 1 <= episode["turns"] <= 2 and set(episode) >= {"queries", "tool_errors", "answer", "text"}
+        assert r["sql"] == episode["answer"]
+    assert main(["--bird-dir", str(bird), "--model", str(model), "--max-turns", "0"]) == 2
+
+
 def test_model_that_is_not_an_export_exits_2(tmp_path, bird, capsys):
     assert main(["--bird-dir", str(bird), "--model", str(tmp_path)]) == 2
     assert "has no config.json" in capsys.readouterr().err

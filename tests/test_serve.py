@@ -92,6 +92,18 @@ def test_concurrent_questions_are_batched_and_executed(service):
     assert ok and all(b["sql"] and b["rows"] and set(b["timings"]) == {"generate_s", "execute_s", "total_s"} for b in ok)
 
 
+def test_max_turns_returns_every_turn_and_the_final_sql(service):
+    from tasks.bird import load_split
+
+    client, _, bird = service
+    q = load_split(bird, "dev")[0]
+    r = client.post("/v1/sql", json={"question": q.question, "db_id": q.db_id, "max_turns": 3, "execute": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert 1 <= body["turns"] <= 3 and isinstance(body["queries"], list) and "tool_errors" in body
+    assert "verdict" in body
+
+
 def test_sql_runs_read_only(service):
     client, _, _ = service
     db = client.get("/v1/databases").json()["databases"][0]
@@ -121,6 +133,8 @@ def test_sql_runs_read_only(service):
     ("/v1/sql", {"question": "x" * 3000, "db_id": "DB"}, 422, "field 'question' is 3000 characters"),
     ("/v1/sql", {"question": "y" * 70_000, "db_id": "DB"}, 413, "the limit is 65536"),
     ("/v1/execute", {"db_id": "DB"}, 422, "missing field 'sql'"),
+    ("/v1/sql", {"question": "How many?", "db_id": "DB", "max_turns": "3"}, 422, "field 'max_turns' must be an integer"),
+    ("/v1/sql", {"question": "How many?", "db_id": "DB", "max_turns": 99}, 422, "field 'max_turns' must be in 1..8"),
 ])
 def test_bad_input_is_a_4xx_with_one_line(service, path, body, status, reason):
     client, _, _ = service
