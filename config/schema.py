@@ -73,6 +73,9 @@ class ModelConfig(_Section):
     # Share of warm-start targets replaced by their template's slip (tasks.synthetic.SLIPS), drawn anew
     # each time a pair is drawn: the warm policy then samples the gold answer only part of the time
     tiny_sft_slip: float = 0.0
+    # generator.max_turns > 1: the share of warm-start examples that are error-then-fix episodes
+    # (a misspelt query, its error as an observation, then the answer; tasks/synthetic_episodes.py).
+    tiny_sft_episodes: float = 0.0
 
 
 class GeneratorConfig(_Section):

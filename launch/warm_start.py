@@ -10,6 +10,10 @@ every draw, so the warm policy learns a mixture (the gold answer about 1 - p of 
 which prompt had which label; prompts of no template keep their gold SQL. Only training prompts are
 used: the held-out split is never seen here. In a colocated run the launcher puts the engines to sleep
 before it (launch/place.py), so the warm start never shares the device with a resident engine.
+With generator.max_turns > 1 and `model.tiny_sft_episodes` = q > 0, each drawn example is, with
+probability q, an error-then-fix episode (tasks/synthetic_episodes.py: a misspelt query, its real
+error as an observation with loss mask 0, then the same answer the one-shot draw would give), so both
+warm starts end on the same answer mixture and only the chance to see an error and retry differs.
 """
 from __future__ import annotations
 
@@ -51,18 +55,47 @@ def warm_start(cfg: RunConfig, learner, items: list, model_path: str, log) -> di
         return {}
     pairs = sft_pairs(cfg, items, model_path)
     rng = random.Random(cfg.seed)
-    batch, p_slip = cfg.model.tiny_sft_batch, cfg.model.tiny_sft_slip
-    losses, slips, drawn = [], 0, 0
+    batch, p_slip, p_episode = cfg.model.tiny_sft_batch, cfg.model.tiny_sft_slip, cfg.model.tiny_sft_episodes
+    episodes = _Episodes(cfg, model_path) if p_episode > 0 and cfg.generator.max_turns > 1 else None
+    losses, slips, drawn, fixes = [], 0, 0, 0
     start = time.perf_counter()
     for i in range(steps):
         chunk = []
-        for prompt, gold, slip in rng.sample(pairs, min(batch, len(pairs))):
+        for k in rng.sample(range(len(pairs)), min(batch, len(pairs))):
+            prompt, gold, slip = pairs[k]
             use_slip = slip is not None and rng.random() < p_slip
             slips += use_slip
             drawn += 1
-            chunk.append((prompt, slip if use_slip else gold))
+            if episodes is None:
+                chunk.append((prompt, slip if use_slip else gold))
+                continue
+            triple = episodes.example(items[k], prompt, use_slip, rng.random() < p_episode, rng)
+            fixes += len(triple[2]) > 0 and 0 in triple[2]
+            chunk.append(triple)
         losses.append(asyncio.run(learner.sft_step(chunk, cfg.model.tiny_sft_lr)))
         if (i + 1) % max(1, steps // 5) == 0:
             log.info("warm-start", step=i + 1, of=steps, loss=round(sum(losses[-20:]) / len(losses[-20:]), 4))
     return {"sft_loss_first": losses[0], "sft_loss_last": sum(losses[-10:]) / len(losses[-10:]),
-            "sft_slipped_share": slips / max(drawn, 1), "time_sft": time.perf_counter() - start}
+            "sft_slipped_share": slips / max(drawn, 1), "sft_error_fix_share": fixes / max(drawn, 1),
+            "time_sft": time.perf_counter() - start}
+
+
+class _Episodes:
+    """Multi-turn warm-start examples (tasks/synthetic_episodes.py) for generator.max_turns > 1."""
+
+    def __init__(self, cfg: RunConfig, model_path: str):
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(model_path)
+        self.max_obs = cfg.generator.max_observation_tokens
+
+    def example(self, item, prompt: list[int], use_slip: bool, error_first: bool, rng) -> tuple:
+        """(prompt ids, response ids, loss mask): an error-then-fix episode when `error_first` (and a
+        misspelling of the answer fails), else the direct answer."""
+        from tasks.synthetic import slipped
+        from tasks.synthetic_episodes import episode_target
+
+        answer = (slipped(item.gold_sql) if use_slip else None) or item.gold_sql
+        got = episode_target(self.tok, answer, item.db_path, rng, self.max_obs, error_first) if error_first else None
+        ids, mask = got or episode_target(self.tok, answer, item.db_path, rng, self.max_obs, False)
+        return prompt, ids, mask

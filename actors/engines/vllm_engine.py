@@ -211,7 +211,7 @@ class VLLMEngine(PartialRequests, Engine):
             log.warning("vLLM processed log-probs are renormalised by top_p/top_k; the first PPO ratio will not be 1")
         self._ids = itertools.count()
         self._inflight: set[str] = set()
-        self._m = {"requests": 0, "tokens": 0, "busy_s": 0.0}
+        self._m = {"requests": 0, "tokens": 0, "busy_s": 0.0, "prompt_tokens": 0, "cached_tokens": 0}
         self._load_s = 0.0
         self.worker_memory: list[dict[str, float]] = []  # each worker's, after the last weight update
 
@@ -250,6 +250,8 @@ class VLLMEngine(PartialRequests, Engine):
         finished = time.time()
         self._m["tokens"] += sum(len(x.tokens) // 4 for x in samples)
         self._m["busy_s"] += finished - started
+        self._m["prompt_tokens"] += len(ids)  # prefix caching: how much of each prompt vLLM found cached
+        self._m["cached_tokens"] += int(getattr(final, "num_cached_tokens", 0) or 0) if final is not None else 0
         return RolloutGroup(task=task, samples=samples, policy_version=version, started_at=started, finished_at=finished)
 
     async def sleep(self, level: int) -> None:
@@ -324,7 +326,9 @@ class VLLMEngine(PartialRequests, Engine):
         m = self._m
         return {"engine_requests": float(m["requests"]), "engine_tokens_generated": float(m["tokens"]),
                 "engine_inflight_requests": float(len(self._inflight)), "policy_version": float(self.version),
-                "engine_weight_load_s": float(self._load_s), "simulated": 0.0}
+                "engine_weight_load_s": float(self._load_s), "simulated": 0.0,
+                "engine_prompt_tokens": float(m["prompt_tokens"]), "engine_cached_prompt_tokens": float(m["cached_tokens"]),
+                "engine_prefix_cache_hit_rate": m["cached_tokens"] / m["prompt_tokens"] if m["prompt_tokens"] else 0.0}
 
     async def close(self) -> None:
         self.llm.shutdown()

@@ -1,0 +1,72 @@
+"""The multi-turn version of tiny's synthetic task: warm-start episodes in which an observation reveals a
+slip and the model fixes it (issue 24, point 9; the protocol is policies/episode.py).
+
+An error-then-fix episode is
+
+    <sql>{the answer with one identifier misspelt}</sql>          (the model's ids, loss mask 1)
+    <observation> error: no such column: nmae </observation>      (executed for real; mask 0)
+     {the answer} <eos>                                            (mask 1)
+
+and a direct episode is just " {the answer} <eos>" (one turn), where the answer is the gold SQL or, with
+`model.tiny_sft_slip`, its template's slip, exactly as the one-shot warm start draws it (so the final
+answers of both warm starts have the same mixture: only the chance to see an error and retry differs).
+
+Invariants:
+- Token ids are built by concatenation, never by re-tokenizing the episode: the tool block and the
+  answer are tokenized as the model would have sampled them, the observation alone
+  (policies.episode.observation_ids), so the warm start teaches exactly the ids the generator builds.
+- The observation is the real result of running the misspelt query read-only on the example's own
+  database (tasks/sandbox.execute_readonly); a misspelling that still runs is not used.
+- Pure given its inputs and `rng`; only training prompts are used.
+"""
+from __future__ import annotations
+
+import random
+import re
+
+from policies import episode as ep
+
+_IDENT = re.compile(r"\b([A-Za-z_][A-Za-z_]{3,})\b")
+_KEYWORDS = {"SELECT", "FROM", "WHERE", "GROUP", "ORDER", "LIMIT", "INNER", "JOIN", "COUNT", "DISTINCT", "HAVING",
+             "STRFTIME", "DESC", "BETWEEN", "LIKE", "CAST", "REAL", "AVG", "SUM", "MIN", "MAX", "ASC", "UNION"}
+
+
+def misspelt(sql: str, rng: random.Random) -> str | None:
+    """`sql` with one table or column name misspelt (two letters swapped), or None when it has none.
+    Quoted values are left alone."""
+    unquoted = re.sub(r"'[^']*'", lambda m: " " * len(m.group()), sql)
+    spans = [m.span(1) for m in _IDENT.finditer(unquoted) if m.group(1).upper() not in _KEYWORDS]
+    if not spans:
+        return None
+    a, b = rng.choice(spans)
+    word = sql[a:b]
+    i = rng.randrange(1, len(word) - 1)
+    swapped = word[:i - 1] + word[i] + word[i - 1] + word[i + 1:]
+    if swapped == word:
+        return None
+    return sql[:a] + swapped + sql[b:]
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+def episode_target(tokenizer, answer: str, db_path: str, rng: random.Random, max_observation_tokens: int,
+                   error_first: bool) -> tuple[list[int], list[int]] | None:
+    """(response ids, loss mask) of one warm-start episode answering `answer`: with `error_first`, an
+    error-then-fix episode (None when no misspelling of `answer` fails), else the direct answer."""
+    from tasks.sandbox import execute_readonly
+
+    final = encode(tokenizer, " " + answer) + [tokenizer.eos_token_id]
+    if not error_first:
+        return final, [1] * len(final)
+    bad = misspelt(answer, rng)
+    if bad is None:
+        return None
+    result = execute_readonly(db_path, bad, timeout_s=5.0, max_rows=1000)
+    if result.status == "ok":
+        return None  # the misspelling ran (an alias, say): no error to reveal
+    call = encode(tokenizer, ep.TOOL_OPEN + bad + ep.TOOL_CLOSE)
+    obs = ep.observation_ids(tokenizer, ep.observation_text(result.status, result.columns, result.rows, result.error),
+                             max_observation_tokens)
+    return call + obs + final, [1] * len(call) + [0] * len(obs) + [1] * len(final)
