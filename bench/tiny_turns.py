@@ -1,0 +1,102 @@
+"""Does revising pay on tiny? `tiny` (one turn) against `tiny_mt` (max_turns=3), the same seeds and steps.
+
+    .venv/bin/python -m bench.tiny_turns                 # seeds 0 1 2, 30 steps, eval every 10
+    SEEDS=0 STEPS=10 .venv/bin/python -m bench.tiny_turns
+
+Each seed runs both recipes side by side (two launcher processes on the 2 cores), then the next seed.
+Reads each run's metrics.jsonl: the held-out greedy accuracy (eval_accuracy) and sampled reward
+(eval_reward_mean) at every evaluation, and the last step's turns_mean / tool_use_frac / revision_gain.
+Writes $OUT/tiny_turns.json, a markdown table on stdout and $OUT/tiny_turns.png (held-out greedy
+accuracy per seed, both recipes). The issue's bar: tiny_mt >= tiny + 0.05 greedy at the last step, every seed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SEEDS = [int(s) for s in os.environ.get("SEEDS", "0 1 2").split()]
+STEPS = int(os.environ.get("STEPS", "30"))
+EVAL_EVERY = int(os.environ.get("EVAL_EVERY", "10"))
+OUT = Path(os.environ.get("OUT", "") or tempfile.mkdtemp(prefix="arl-tiny-turns-"))
+RECIPES = ("tiny", "tiny_mt")
+
+
+def launch(recipe: str, seed: int, root: Path) -> subprocess.Popen:
+    args = [sys.executable, "-m", "launch.cluster", recipe, f"seed={seed}", f"coordinator.steps={STEPS}",
+            f"coordinator.eval_every={EVAL_EVERY}", f"coordinator.checkpoint_every={STEPS}", f"run_root={root}",
+            f"run_id={recipe}-s{seed}"]
+    log = open(root / f"{recipe}-s{seed}.console", "w")
+    return subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+
+
+def curve(run_dir: Path) -> dict:
+    evals, last = [], {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        m = json.loads(line)
+        if "eval_accuracy" in m:
+            evals.append((m.get("step", -1), m["eval_accuracy"], m.get("eval_reward_mean", 0.0)))
+        if m.get("step", -1) >= 0 and "turns_mean" in m:
+            last = {k: m[k] for k in ("turns_mean", "tool_use_frac", "revision_gain", "reward_mean") if k in m}
+    return {"evals": evals, "last": last}
+
+
+def main() -> int:
+    OUT.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+    for seed in SEEDS:
+        t0 = time.time()
+        procs = {r: launch(r, seed, OUT) for r in RECIPES}
+        for r, p in procs.items():
+            rc = p.wait(timeout=3600)
+            results[f"{r}-s{seed}"] = dict(curve(OUT / f"{r}-s{seed}"), rc=rc) if rc == 0 else {"rc": rc}
+        print(f"seed {seed}: {time.time() - t0:.0f} s", flush=True)
+        (OUT / "tiny_turns.json").write_text(json.dumps(results, indent=1))
+    lines = ["| seed | tiny greedy (first -> last) | tiny_mt greedy (first -> last) | gap at last | tiny_mt turns, tool use, revision gain (last step) |",
+             "| --- | --- | --- | --- | --- |"]
+    ok = True
+    for seed in SEEDS:
+        one, mt = results.get(f"tiny-s{seed}", {}), results.get(f"tiny_mt-s{seed}", {})
+        if not one.get("evals") or not mt.get("evals"):
+            lines.append(f"| {seed} | rc {one.get('rc')} | rc {mt.get('rc')} | - | - |")
+            ok = False
+            continue
+        a, b = one["evals"], mt["evals"]
+        gap = b[-1][1] - a[-1][1]
+        ok &= gap >= 0.05
+        lm = mt["last"]
+        lines.append(f"| {seed} | {a[0][1]:.3f} -> {a[-1][1]:.3f} | {b[0][1]:.3f} -> {b[-1][1]:.3f} | {gap:+.3f} | "
+                     f"{lm.get('turns_mean', 0):.2f}, {lm.get('tool_use_frac', 0):.2f}, {lm.get('revision_gain', 0):+.3f} |")
+    lines.append(f"\n{STEPS} GRPO steps, held-out greedy accuracy every {EVAL_EVERY}; bar (+0.05 on every seed): "
+                 f"{'met' if ok else 'NOT met'}")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, len(SEEDS), figsize=(4 * len(SEEDS), 3.2), squeeze=False)
+        for ax, seed in zip(axes[0], SEEDS):
+            for r, style in zip(RECIPES, ("-o", "-s")):
+                ev = results.get(f"{r}-s{seed}", {}).get("evals", [])
+                ax.plot([e[0] for e in ev], [e[1] for e in ev], style, label=r)
+            ax.set_title(f"seed {seed}")
+            ax.set_xlabel("GRPO step")
+            ax.set_ylabel("held-out greedy accuracy")
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(OUT / "tiny_turns.png", dpi=110)
+    except ImportError:
+        pass
+    print(f"results: {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
