@@ -27,9 +27,10 @@ import json
 import sys
 from pathlib import Path
 
+from policies.bird_eval import bird_outcome, ex_bird, soft_f1, time_ratio, ves_reward
 from policies.sql_reward import GOLD_FAILED, NO_SQL, reward_for, verdict_for
 from tasks.bird import BirdDataError, load_split
-from tasks.sandbox import SqlPool
+from tasks.sandbox import ExecResult, SqlPool
 
 _BIRD_SEP = "\t----- bird -----\t"
 DIFFICULTIES = ("simple", "moderate", "challenging")
@@ -92,8 +93,10 @@ def _looks_like_jsonl(text: str) -> bool:
     return isinstance(row, dict) and "question_id" in row
 
 
-def evaluate(questions, preds: dict[str, str], pool: SqlPool) -> list[dict]:
-    """One result row per question: verdict and reward (1/0 accuracy is verdict == match)."""
+def evaluate(questions, preds: dict[str, str], pool: SqlPool, strict: bool = False, timing_runs: int = 1) -> list[dict]:
+    """One result row per question: verdict and reward (the training reward's), `correct` under BIRD's
+    EX (default) or the training rule (`strict`), both EX flags, Soft-F1 and the R-VES reward
+    (policies/bird_eval.py; timings are the mean of `timing_runs` runs of each correct pair)."""
     jobs, slots = [], []
     golds = {}
     for q in questions:
@@ -111,32 +114,50 @@ def evaluate(questions, preds: dict[str, str], pool: SqlPool) -> list[dict]:
     rows = []
     for q, slot in zip(questions, slots):
         gold = results[golds[(q.db_path, q.sql)]]
-        if slot is None:
-            verdict, error = verdict_for("no_sql", [], gold.status, gold.rows), ""
-        else:
-            pred = results[slot]
-            verdict, error = verdict_for(pred.status, pred.rows, gold.status, gold.rows), pred.error
-        if verdict == GOLD_FAILED:
-            error = gold.error
+        pred = results[slot] if slot is not None else ExecResult("no_sql")
+        verdict = verdict_for(pred.status, pred.rows, gold.status, gold.rows)
+        error = gold.error if verdict == GOLD_FAILED else pred.error
+        ex_b = ex_bird(pred.status, pred.rows, gold.status, gold.rows, pred.error)
+        ran, pred_rows = bird_outcome(pred.status, pred.rows, pred.error)
         rows.append({"question_id": q.question_id, "db_id": q.db_id, "difficulty": q.difficulty,
-                     "verdict": verdict, "reward": reward_for(verdict), "correct": verdict == "match",
-                     "error": error})
+                     "verdict": verdict, "reward": reward_for(verdict),
+                     "correct": verdict == "match" if strict else ex_b,
+                     "ex_bird": ex_b, "ex_strict": verdict == "match",
+                     "soft_f1": soft_f1(pred_rows if ran else None, gold.rows) if gold.status == "ok" else 0.0,
+                     "error": error, "_times": (slot, golds[(q.db_path, q.sql)])})
+    flat = [i for r in rows if r["correct"] for i in r["_times"] if i is not None] * (timing_runs - 1)
+    seconds = {i: [res.seconds] for i, res in enumerate(results)}
+    for i, res in zip(flat, pool.run_many([jobs[i] for i in flat]) if flat else []):
+        seconds[i].append(res.seconds)
+    for r in rows:
+        slot, gold_slot = r.pop("_times")
+        ratio = time_ratio(seconds[gold_slot], seconds[slot] if slot is not None else [0.0]) if r["correct"] else 0.0
+        r["ves_reward"] = ves_reward(ratio)
     return rows
 
 
-def summary_table(rows: list[dict]) -> str:
+def summary_table(rows: list[dict], strict: bool = False) -> str:
     groups: dict[str, list[dict]] = collections.OrderedDict((d, []) for d in DIFFICULTIES)
     for r in rows:
         groups.setdefault(r["difficulty"] or "unknown", []).append(r)
-    lines = [f"{'difficulty':<12} {'count':>6} {'EX %':>7}"]
+    ex = "EX strict" if strict else "EX %"
+    lines = [f"{'difficulty':<12} {'count':>6} {ex:>9} {'Soft-F1':>8} {'R-VES':>7}"]
+
+    def line(name, rs):
+        n = len(rs)
+        return (f"{name:<12} {n:>6} {100 * sum(r['correct'] for r in rs) / n:>9.2f} "
+                f"{100 * sum(r['soft_f1'] for r in rs) / n:>8.2f} {100 * sum(r['ves_reward'] for r in rs) / n:>7.2f}")
+
     for name, rs in groups.items():
         if rs:
-            lines.append(f"{name:<12} {len(rs):>6} {100 * sum(r['correct'] for r in rs) / len(rs):>7.2f}")
-    total = len(rows)
-    acc = 100 * sum(r["correct"] for r in rows) / total if total else 0.0
-    lines.append(f"{'total':<12} {total:>6} {acc:>7.2f}")
+            lines.append(line(name, rs))
+    lines.append(line("total", rows) if rows else f"{'total':<12} {0:>6}")
     verdicts = collections.Counter(r["verdict"] for r in rows)
     lines.append("verdicts: " + ", ".join(f"{v}={c}" for v, c in sorted(verdicts.items())))
+    other = sum(r["ex_strict"] for r in rows) if not strict else sum(r["ex_bird"] for r in rows)
+    if rows:
+        lines.append(f"rule: {'strict (the training reward: no credit for an empty answer)' if strict else 'BIRD evaluation.py'}"
+                     f"; the other rule gives EX {100 * other / len(rows):.2f} ({'--strict' if not strict else 'default'})")
     return "\n".join(lines)
 
 
@@ -256,7 +277,7 @@ def evaluate_model(args, questions) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     with SqlPool(workers=args.workers, timeout_s=args.timeout, max_rows=args.max_rows) as pool:
         preds, facts = vote(questions, texts, pool)
-        rows = evaluate(questions, preds, pool)
+        rows = evaluate(questions, preds, pool, args.strict, args.timing_runs)
     for q, r in zip(questions, rows):
         f = facts[q.question_id]
         r.update(sql=preds.get(q.question_id, ""), votes=f["votes"], pass_at_k=f["pass_at_k"],
@@ -270,7 +291,7 @@ def evaluate_model(args, questions) -> int:
     with open(out_dir / "results.jsonl", "w", encoding="utf-8") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    print(summary_table(rows))
+    print(summary_table(rows, args.strict))
     if args.samples > 1:
         passed = sum(r["pass_at_k"] for r in rows)
         print(f"pass@{args.samples} {100 * passed / len(rows):.2f} (majority vote over execution results above)")
@@ -305,13 +326,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-turns", type=int, default=1, help="with --model: k > 1 lets the model run queries and "
                    "revise before it answers (multi-turn episodes; every turn goes into results.jsonl)")
+    p.add_argument("--strict", action="store_true", help="score with the training reward's rule: an empty or "
+                   "column-less answer never matches (default: BIRD evaluation.py's rule, where it matches an empty gold)")
+    p.add_argument("--timing-runs", type=int, default=1, help="runs of each correct pair timed for R-VES "
+                   "(BIRD's script uses 100)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per query (BIRD's default is 30)")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--max-rows", type=int, default=1_000_000)
     args = p.parse_args(argv)
     if (args.timeout <= 0 or args.workers < 1 or args.samples < 1 or args.batch_size < 1 or args.limit < 0
-            or args.max_turns < 1):
-        print("error: --timeout must be > 0, --workers, --samples, --batch-size and --max-turns >= 1, --limit >= 0",
+            or args.max_turns < 1 or args.timing_runs < 1):
+        print("error: --timeout must be > 0, --workers, --samples, --batch-size, --max-turns and --timing-runs >= 1, --limit >= 0",
               file=sys.stderr)
         return 2
     from launch.export import ExportError, read_settings
@@ -328,9 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     with SqlPool(workers=args.workers, timeout_s=args.timeout, max_rows=args.max_rows) as pool:
-        rows = evaluate(questions, preds, pool)
+        rows = evaluate(questions, preds, pool, args.strict, args.timing_runs)
     missing = sum(1 for q in questions if not (preds.get(q.question_id) or "").strip())
-    print(summary_table(rows))
+    print(summary_table(rows, args.strict))
     if missing:
         print(f"{missing} question(s) had no prediction (counted as {NO_SQL}, incorrect)")
     if args.out:

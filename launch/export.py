@@ -37,8 +37,11 @@ def next_steps(run_dir: str | Path, bird_dir: str | Path, split: str) -> str:
     export = latest_export(run_dir)
     if export is None:
         return ""
-    args = f"--model {export} --bird-dir {bird_dir} --split {split}"
-    return f"\nevaluate: python -m launch.eval {args}\nserve:    python -m launch.serve {args}"
+    from launch.commands import command
+
+    args = ("--model", export, "--bird-dir", bird_dir, "--split", split)
+    return (f"\nevaluate: {command('launch.eval', *args)}\nserve:    {command('launch.serve', *args)}"
+            f"\nexport:   {export}")
 
 
 def default_engine() -> str:

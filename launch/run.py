@@ -19,7 +19,9 @@ import msgspec
 from config import ConfigError, RunConfig, check_inputs
 from queues.errors import one_line  # noqa: F401 - launch.run.one_line for the CLI and preflight
 from tasks.bird import BirdDataError
+from launch.commands import command
 from launch.export import next_steps
+from launch.progress import summary
 from observe.logs import setup_logging
 
 # Variables every actor gets, whether we started Ray or joined a cluster.
@@ -312,8 +314,9 @@ def run(cfg: RunConfig) -> int:
         summary = run_with_relaunches(cfg, run_id, run_dir, redis_url, model_path, train_items, eval_items, log)
         log.info("run finished", **{k: v for k, v in summary.items() if k != "outcomes"}, **{
             f"prompts_{k}": v for k, v in summary["outcomes"].items()})
+        print(summary(run_dir), flush=True)
         print(f"run directory: {run_dir}\nmetrics: {run_dir / 'metrics.jsonl'}\n"
-              f"plot: python -m launch.report {run_dir}" + next_steps(run_dir, bird_dir, cfg.data.eval_split),
+              f"plot: {command('launch.report', run_dir)}" + next_steps(run_dir, bird_dir, cfg.data.eval_split),
               flush=True)
         return 0
     except KeyboardInterrupt:
