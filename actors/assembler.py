@@ -123,7 +123,9 @@ def staleness_metrics(groups: list[ScoredGroup], version: int) -> dict[str, floa
 
 
 def step_metrics(groups: list[ScoredGroup], outcomes: dict[str, str]) -> dict[str, float]:
-    """Scalars over every scored sample of the step (before filtering), plus outcome counts."""
+    """Scalars over every scored sample of the step (before filtering), plus outcome counts.
+    response_len_* count every id after the prompt, a multi-turn episode's observation ids included
+    (obs_tokens_mean says how many of them the observations are)."""
     rewards = [r for g in groups for r in g.rewards]
     verdicts = [v for g in groups for v in g.verdicts]
     lengths = [len(s.tokens) // 4 for g in groups for s in g.rollout.samples]

@@ -1,4 +1,5 @@
-"""The page launch.serve shows at `/`: a question box, a database picker, the SQL and its result table.
+"""The page launch.serve shows at `/`: a question box, a database picker, the SQL and its result table;
+with turns > 1 (/v1/sql's max_turns) also every query the episode ran and its transcript (observations included).
 
 Invariants: one self-contained HTML document (no external scripts, fonts or styles: it works on a
 machine with no internet); it talks only to its own origin's /v1/databases and /v1/sql; every value
@@ -27,11 +28,13 @@ PAGE = """<!doctype html>
 <label>Question <textarea id="question" rows="3" placeholder="How many customers live in Oslo?"></textarea></label>
 <label>Evidence (optional) <input type="text" id="evidence"></label>
 <label><input type="checkbox" id="execute" checked> run the SQL (read-only sandbox)</label>
+<label>Turns <input type="number" id="turns" min="1" max="8" value="1"> (above 1: the model may run queries and see their rows or error before it answers)</label>
 <p><button id="ask">Ask</button> <span id="status"></span></p>
 <h2>SQL</h2>
 <pre id="sql"></pre>
 <div id="error"></div>
 <div id="result"></div>
+<div id="episode"></div>
 <div id="timings"></div>
 <script>
 const $ = (id) => document.getElementById(id);
@@ -58,9 +61,9 @@ function table(rows) {
 }
 async function ask() {
   $('status').textContent = 'thinking...'; $('sql').textContent = ''; $('error').textContent = '';
-  $('result').textContent = ''; $('timings').textContent = '';
+  $('result').textContent = ''; $('timings').textContent = ''; $('episode').textContent = '';
   const body = {question: $('question').value, db_id: $('db').value, evidence: $('evidence').value,
-                execute: $('execute').checked};
+                execute: $('execute').checked, max_turns: Number($('turns').value) || 1};
   try {
     const r = await fetch('/v1/sql', {method: 'POST', headers: {'Content-Type': 'application/json'}, body: JSON.stringify(body)});
     const data = await r.json();
@@ -72,10 +75,19 @@ async function ask() {
       p.textContent = data.row_count + ' row(s)' + (data.truncated ? ', first ' + data.rows.length + ' shown' : '');
       $('result').appendChild(p); $('result').appendChild(table(data.rows));
     }
+    if (data.turns !== undefined) showEpisode(data);
     $('timings').textContent = Object.entries(data.timings).map(([k, v]) => k + ' ' + v).join(', ')
       + ', batch of ' + data.batch_size;
     $('status').textContent = 'done';
   } catch (e) { $('error').textContent = String(e); $('status').textContent = ''; }
+}
+function showEpisode(data) {
+  const h = document.createElement('h2');
+  h.textContent = data.turns + ' turn(s), ' + data.queries.length + ' query(ies), ' + data.tool_errors + ' error(s)';
+  const ol = document.createElement('ol');
+  for (const q of data.queries) { const li = document.createElement('li'); li.textContent = q; ol.appendChild(li); }
+  const pre = document.createElement('pre'); pre.textContent = data.completion;
+  $('episode').appendChild(h); $('episode').appendChild(ol); $('episode').appendChild(pre);
 }
 $('db').addEventListener('change', showTables);
 $('ask').addEventListener('click', ask);

@@ -52,6 +52,11 @@ def test_nested_engine_kwargs_stay_plain_dicts():
     ("learner.betas=0.9", "config key 'learner.betas': needs two values"),
     ("learner.checkpoint_layers=-2", "config key 'learner.checkpoint_layers': must be -1 (every layer) or >= 0"),
     ("cluster.max_relaunches=-1", "config key 'cluster.max_relaunches': must be >= 0"),
+    ("generator.max_turns=0", "config key 'generator.max_turns': must be >= 1"),
+    ("generator.max_observation_tokens=2", "config key 'generator.max_observation_tokens': must be >= 8"),
+    ("generator.tool_workers=0", "config key 'generator.tool_workers': must be >= 1"),
+    ("generator.tool_timeout_s=-1", "config key 'generator.tool_timeout_s': must be >= 0"),
+    ("generator.tool_max_rows=-5", "config key 'generator.tool_max_rows': must be >= 0"),
     ("noequals", "is not of the form key=value"),
 ])
 def test_bad_overrides_get_one_line_errors(override, message):
@@ -148,3 +153,10 @@ def test_a_seed_override_seeds_the_data_and_the_sampling_unless_they_are_given()
     assert (cfg.seed, cfg.data.synthetic_seed, cfg.generator.seed) == (3, 3, 9)
     cfg = apply_overrides(get_recipe("tiny"), ["data.synthetic_seed=5"])
     assert (cfg.seed, cfg.data.synthetic_seed, cfg.generator.seed) == (0, 5, 0)
+
+
+def test_tool_limits_default_to_the_scorer_s():
+    cfg = apply_overrides(get_recipe("tiny"), ["generator.max_turns=3"])
+    assert (cfg.generator.tool_timeout_s, cfg.generator.tool_max_rows) == (cfg.scorer.timeout_s, cfg.scorer.max_rows)
+    cfg = apply_overrides(get_recipe("tiny"), ["generator.tool_timeout_s=1.5", "generator.tool_max_rows=7"])
+    assert (cfg.generator.tool_timeout_s, cfg.generator.tool_max_rows) == (1.5, 7)

@@ -65,6 +65,8 @@ def test_health_databases_and_page(service):
     assert len(dbs) == 2 and all(d["tables"] and d["tables"][0]["columns"] for d in dbs)
     page = client.get("/")
     assert page.status_code == 200 and '<select id="db">' in page.text
+    assert '<input type="number" id="turns"' in page.text and "max_turns: Number($('turns').value)" in page.text
+    assert 'showEpisode(data)' in page.text and '<div id="episode">' in page.text
 
 
 def test_concurrent_questions_are_batched_and_executed(service):
