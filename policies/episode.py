@@ -20,6 +20,7 @@ Invariants:
   re-tokenized, so no separator can be dropped at a turn boundary.
 - Observation ids carry loss mask 0 and log-prob 0.0 (no behaviour log-prob); the model's ids carry
   mask 1 and the sampler's log-probs.
+- A turn ends at its first tool-block close tag (`tool_block_end`), whatever the engine ran on to.
 - An observation is at most `max_observation_tokens` ids and always ends with its closing tag.
 - max_turns = 1 is the one-shot protocol exactly: no instructions are added to the prompt, no stop
   string, and the generator takes its one-shot path (tested token for token).
@@ -62,6 +63,24 @@ def tool_query(turn_text: str) -> str | None:
         return None
     sql = blocks[-1].strip().rstrip(";").strip()
     return sql or None
+
+
+def tool_block_end(tokenizer, ids: list[int]) -> int | None:
+    """How many of a turn's sampled ids end at its first tool-block close tag: the id that completes
+    the tag is the last one kept (as an engine's stop string keeps it). None: no close tag. An engine
+    that ran past the tag (a stop string straddling a partial rollout's resubmission, which vLLM does
+    not see) gets its turn cut here; ids after the tag were never the episode's."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if TOOL_CLOSE not in text:
+        return None
+    lo, hi = 1, len(ids)  # the smallest prefix whose text holds the tag (a prefix's text grows with it)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if TOOL_CLOSE in tokenizer.decode(ids[:mid], skip_special_tokens=True):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def _cell(v: Any) -> str:

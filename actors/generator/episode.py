@@ -9,6 +9,10 @@ Invariants:
   episode's ids so far, exactly as sampled and as the observation was tokenized alone; nothing is
   decoded and re-tokenized. The sample's `loss_mask` is 1 on sampled ids and 0 on observation ids,
   whose log-probs are 0.0; `versions` gives observation ids the version of the turn before them.
+- A turn ends at its first tool-block close tag even where the engine missed that stop string (vLLM
+  partial rollouts: a tag straddling the resubmission point); the ids sampled past it are dropped.
+- An interrupted turn (partial rollouts) continues inside the engine under the new weights at its next
+  token; the runner sees one turn whose `versions` change mid-way.
 - The response budget (`max_tokens`) counts every id after the prompt, observations included.
 - An aborted turn aborts its episode (finish "abort"): the generator fails the whole group.
 - A generator that dies mid-episode has acked nothing: its prompt is reclaimed and re-run whole.
@@ -72,11 +76,15 @@ class EpisodeRunner:
             turns += 1
             new = unpack_ids(s.tokens).tolist()
             v = (unpack_ids(s.versions).tolist() if s.versions else [group.policy_version] * len(new))
+            lps = unpack_floats(s.logprobs).tolist()
+            finish = s.finish_reason
+            end = ep.tool_block_end(self.tokenizer, new) if finish in ("stop", "length") else None
+            if end is not None and end < len(new):  # the engine ran past the close tag: the turn ends there
+                new, v, lps, finish = new[:end], v[:end], lps[:end], "stop"
             ids += new
-            logprobs += unpack_floats(s.logprobs).tolist()
+            logprobs += lps
             mask += [1] * len(new)
             versions += v
-            finish = s.finish_reason
             turn_text = self.tokenizer.decode(new, skip_special_tokens=True)
             texts.append(s.text)
             if finish == "abort":
