@@ -14,6 +14,7 @@ from actors.generator.episode import EpisodeRunner
 from actors.generator.generator import Generator
 from actors.scorer import Scorer
 from config import GeneratorConfig, ModelConfig, ScorerConfig
+from config.recipes import get_recipe
 from policies import episode as ep
 from policies.prompt import render_prompt
 from queues.messages import (PromptTask, RolloutGroup, Sample, ScoredGroup, codec, pack_floats, pack_ids,
@@ -209,18 +210,40 @@ async def test_real_engine_episodes_keep_every_invariant(tiny_dir, question, exe
             assert np.all(unpack_floats(s.logprobs)[~mask] == 0.0)
 
 
-async def test_max_turns_1_is_the_one_shot_path_token_for_token(tiny_dir, question):
-    """generator.max_turns=1: the same ids, log-probs and text as the engine alone, same seed."""
+async def test_max_turns_1_is_the_one_shot_path_token_for_token(tiny_dir, tmp_path):
+    """generator.max_turns=1 on tiny's prompts (its templates, rendered as a run renders them): the same
+    ids, log-probs, text and rewards as the engine alone, same seed, and the prompts are the one-shot ones."""
+    from tasks.bird import build_prompts
+    from tasks.synthetic import TINY_TEMPLATES
+
+    tiny = get_recipe("tiny")
+    bird = write_dataset(tmp_path / "tiny", num_databases=1, num_questions=20, seed=1, templates=list(TINY_TEMPLATES))
+    questions = load_split(bird, "dev")[:2]
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    build = dict(style="compact", sample_values=tiny.data.sample_values)  # launch/run.py: tiny models render compact
+    items, dropped = build_prompts(questions, tok, tiny.data.max_prompt_tokens, **build)
+    assert len(items) == 2 and not dropped
+    assert [i.prompt_tokens for i in items] == [i.prompt_tokens for i in build_prompts(
+        questions, tok, tiny.data.max_prompt_tokens, max_turns=1, **build)[0]]
+    scorer = Scorer(ScorerConfig(workers=1, timeout_s=2.0), scorer_id="t")
     out = []
-    for turns in (1, None):
-        cfg = GeneratorConfig(engine="transformers", device="cpu", max_tokens=12, max_batch_prompts=8, seed=5)
-        if turns:
-            cfg = msgspec.structs.replace(cfg, max_turns=turns)
-        engine = TransformersEngine(cfg, MODEL_CFG, tiny_dir)
-        task = _task(question, engine.tokenizer("Q: how many?\nSQL:")["input_ids"], n=3)
-        group = await (Generator(engine, cfg).generate_one(task) if turns else engine.generate(task))
-        out.append([(s.tokens, s.logprobs, s.text, s.loss_mask, s.turns) for s in group.samples])
-    assert out[0] == out[1]
+    try:
+        for turns in (1, None):
+            cfg = GeneratorConfig(engine="transformers", device="cpu", max_tokens=24, max_batch_prompts=8, seed=5)
+            if turns:
+                cfg = msgspec.structs.replace(cfg, max_turns=turns)
+            engine = TransformersEngine(cfg, MODEL_CFG, tiny_dir)
+            run = []
+            for q, item in zip(questions, items):
+                task = _task(q, unpack_ids(item.prompt_tokens).tolist(), n=3)
+                group = await (Generator(engine, cfg).generate_one(task) if turns else engine.generate(task))
+                scored = await scorer.score(codec(RolloutGroup).decode(codec(RolloutGroup).encode(group)))
+                run.append(([(s.tokens, s.logprobs, s.text, s.loss_mask, s.turns, s.answer) for s in group.samples],
+                            scored.rewards, scored.verdicts, scored.first_query_rewards))
+            out.append(run)
+    finally:
+        scorer.close()
+    assert out[0] == out[1] and all(fq == [] for *_, fq in out[0])
 
 
 async def test_generator_runs_episodes_for_max_turns_above_1(tiny_dir, question):

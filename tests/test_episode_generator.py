@@ -1,7 +1,9 @@
 """Multi-turn episodes on the vLLM engine over a FAKE AsyncLLM (vLLM needs a GPU): every turn continues
 from the episode's token ids (prompt + sampled ids + observation ids, never re-tokenized), on both the
 one-shot (FINAL_ONLY) and the partial-rollout (DELTA) paths; an interrupt in the middle of a turn after
-an observation resumes the episode at its next token under the new version, nothing lost or repeated."""
+an observation resumes the episode at its next token under the new version, nothing lost or repeated.
+And the Generator over a real redis-server: one dying mid-episode leaves its prompt pending, and a
+peer reclaims it and re-runs every episode from the prompt."""
 import asyncio
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -12,10 +14,11 @@ from transformers import AutoTokenizer
 from actors.engines import vllm_engine
 from actors.engines.vllm_engine import VLLMEngine
 from actors.generator.episode import EpisodeRunner
+from actors.generator.generator import Generator
 from config import GeneratorConfig
 from policies import episode as ep
-from queues.messages import (PromptTask, pack_ids, sample_versions, unpack_floats, unpack_ids,
-                             unpack_loss_mask)
+from queues.messages import (PromptTask, RolloutGroup, Sample, pack_floats, pack_ids, sample_versions, unpack_floats,
+                             unpack_ids, unpack_loss_mask)
 from tests.test_episode import executor, question, tiny_dir  # noqa: F401 (shared fixtures)
 
 
@@ -151,3 +154,62 @@ async def test_fake_vllm_interrupt_mid_episode_resumes_at_the_next_token_under_n
     lps = unpack_floats(s.logprobs).tolist()
     assert lps == pytest.approx([(-0.1 - v) if m else 0.0 for v, m in zip(versions, mask)], abs=1e-6)
     assert s.answer == question.sql
+
+
+class TurnScriptFakeEngine:
+    """Stands in for the model's CHOICES (a random-init model never writes a tool block): turn 0 queries
+    the gold SQL in a tool block, turn 1 answers with it; with `hold`, turn 1 never returns (the
+    generator dies there, mid-episode, after its query ran)."""
+
+    version = 0
+
+    def __init__(self, tokenizer, sql: str, hold: bool):
+        self.tokenizer, self.sql, self.hold, self.turns_seen = tokenizer, sql, hold, []
+
+    async def generate(self, task: PromptTask) -> RolloutGroup:
+        turn = int(task.task_id.rsplit("t", 1)[1])
+        self.turns_seen.append(turn)
+        if turn == 1 and self.hold:
+            await asyncio.Event().wait()
+        text = f"<sql>{self.sql}</sql>" if turn == 0 else f"```sql\n{self.sql}\n```"
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return RolloutGroup(task=task, policy_version=0, samples=[Sample(
+            tokens=pack_ids(ids), logprobs=pack_floats([-0.5] * len(ids)), finish_reason="stop", text=text)])
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+async def test_a_generator_dying_mid_episode_loses_nothing_its_prompt_is_reclaimed_and_rerun_fake_model(
+        redis_url, tok, question):
+    from queues.messages import codec
+    from tests.test_generator import RUN, collect, streams
+
+    cfg = GeneratorConfig(engine="transformers", max_turns=2, max_tokens=400, tool_workers=1, tool_timeout_s=2.0)
+    prompts, rollouts = await streams(redis_url)
+    task = PromptTask(task_id="0:0:0", prompt_id="q0", step=0, policy_version=0, n=2, db_id=question.db_id,
+                      prompt_tokens=pack_ids(tok("Q: how many?\nSQL:")["input_ids"]), db_path=question.db_path,
+                      gold_sql=question.sql)
+    await prompts.publish(codec(PromptTask).encode(task))
+    dying = TurnScriptFakeEngine(tok, question.sql, hold=True)
+    dead = Generator(dying, cfg, reclaim_idle_s=0.2, tokenizer=tok)
+    runner = asyncio.create_task(dead.run(redis_url, RUN, "dead"))
+    while dying.turns_seen.count(1) < 2:  # both episodes ran their query and are inside turn 2
+        assert not runner.done()
+        await asyncio.sleep(0.01)
+    runner.cancel()  # the generator dies mid-episode: nothing published, nothing acked
+    with pytest.raises(asyncio.CancelledError):
+        await runner
+    dead.close_episodes()
+    assert (await prompts.depth())["pending"] == 1 and (await rollouts.depth())["lag"] == 0
+    live = Generator(TurnScriptFakeEngine(tok, question.sql, hold=False), cfg, reclaim_idle_s=0.2, tokenizer=tok)
+    runner = asyncio.create_task(live.run(redis_url, RUN, "live"))
+    try:
+        ((_, group),) = await collect(rollouts, 1)
+    finally:
+        live.stop()
+        await asyncio.wait_for(runner, 20)
+        live.close_episodes()
+    assert group.task.task_id == "0:0:0" and group.generator_id == "live" and not group.error
+    assert [(s.turns, s.answer, s.queries) for s in group.samples] == [(2, question.sql, [question.sql])] * 2
+    assert live.stats()["generator_tasks_reclaimed"] == 1 and (await prompts.depth())["pending"] == 0
