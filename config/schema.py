@@ -149,7 +149,14 @@ class LearnerConfig(_Section):
     update_epochs: int = 1
     clip_low: float = 0.2
     clip_high: float = 0.2
-    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    # The policy objective (policies/objectives.py): "ppo_clip" (PPO with clip-higher), "gspo" (the
+    # sequence-level ratio, clipped; GSPO's ranges are ~3e-4/4e-4), "cispo" (REINFORCE under a clipped,
+    # stop-gradient IS weight; clip_low=1 leaves it unbounded below).
+    loss: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
+    # "seq-mean-token-sum-norm" is Dr.GRPO's: each sample's token sum over the constant loss_norm_tokens
+    # (pair it with assembler.normalize_std=false for Dr.GRPO's advantages).
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    loss_norm_tokens: int = 0  # the constant of seq-mean-token-sum-norm; 0: generator.max_tokens (validation)
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     tis_cap: float = 0.0  # legacy: >0 is correction="tis" with this cap

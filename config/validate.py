@@ -7,7 +7,8 @@ Invariants:
   prints and saves says which correction the learner applies. An explicit "off" where generation
   can be off-policy (async with max_staleness > 0, or an engine other than the learner's numerics)
   is accepted with a logged warning.
-- Every `auto` is resolved here and nowhere else: the correction (`resolve_correction`), the weight
+- Every `auto` is resolved here and nowhere else: the correction (`resolve_correction`), Dr.GRPO's
+  `learner.loss_norm_tokens=0` (the generator's max_tokens), the weight
   transport and the learner's world size (`resolve_placement`, through the pure
   config.placement.make_placement), so the config.json a run saves holds no `auto` and loads back
   to the same config.
@@ -39,6 +40,8 @@ def validate(data: dict) -> RunConfig:
     check(cfg)
     cfg.learner.correction, cfg.learner.correction_cap = resolve_correction(cfg)
     cfg.assembler.share_prompt = cfg.learner.share_prompt
+    if cfg.learner.loss_agg == "seq-mean-token-sum-norm" and cfg.learner.loss_norm_tokens == 0:
+        cfg.learner.loss_norm_tokens = cfg.generator.max_tokens  # Dr.GRPO's constant: the longest answer
     resolve_placement(cfg)
     return cfg
 
@@ -127,6 +130,9 @@ def check(cfg: RunConfig) -> None:
              "(tokens with ratios in [1/cap, cap] are kept)")
     need(cfg.learner.correction_cap > 0, "learner.correction_cap", "must be > 0")
     need(cfg.learner.tis_cap >= 0, "learner.tis_cap", "must be >= 0")
+    need(0 <= cfg.learner.clip_low <= 1, "learner.clip_low", "must be in [0, 1]")
+    need(cfg.learner.clip_high >= 0, "learner.clip_high", "must be >= 0")
+    need(cfg.learner.loss_norm_tokens >= 0, "learner.loss_norm_tokens", "must be >= 0 (0: generator.max_tokens)")
     need(cfg.learner.tis_cap == 0 or cfg.learner.correction in ("auto", "tis"), "learner.tis_cap",
          f"is the legacy switch for correction='tis'; with learner.correction={cfg.learner.correction!r} leave it 0 "
          "and set learner.correction_cap")

@@ -1,9 +1,10 @@
-"""GRPO advantages and the PPO-clip policy loss, as pure functions on tensors.
+"""GRPO advantages and the policy loss (policies.objectives' surrogate, aggregated), as pure functions.
 
 Invariants:
 - `policy_loss` summed over the micro-batches of a minibatch, each called with the minibatch's
   `normalizer` (its total valid tokens for "token-mean", its total sequences for
-  "seq-mean-token-mean"), equals the loss of the whole minibatch in one call. Gradient
+  "seq-mean-token-mean" and "seq-mean-token-sum-norm"), equals the loss of the whole minibatch in one
+  call. Gradient
   accumulation therefore changes nothing but memory.
 - Tokens where `mask` is False (prompt, padding, a multi-turn episode's observation tokens) contribute
   nothing to the loss, its token-count normaliser, the importance weights or the metrics: a masked
@@ -14,6 +15,9 @@ Invariants:
   `old_logprobs` is the proximal policy (recomputed by the learner); the weights and their modes
   are policies.offpolicy's. `correction=None` keeps the legacy switch: TIS at `tis_cap` when
   `tis_cap > 0`, else no weight (mismatch_kl is still reported).
+- "seq-mean-token-sum-norm" (Dr.GRPO, Liu et al. 2025, arXiv 2503.20783) divides each sequence's
+  token sum by one constant, `norm_tokens` (learner.loss_norm_tokens: the generator's max_tokens unless
+  set), so a sample's weight does not depend on its length: loss = sum_i sum_t l_it / (G * norm_tokens).
 - Every metric is a python float.
 """
 from __future__ import annotations
@@ -22,9 +26,11 @@ from typing import Literal
 
 import torch
 
+from policies.objectives import surrogate
 from policies.offpolicy import importance_weights, segment_sums
 
-LossAgg = Literal["token-mean", "seq-mean-token-mean"]
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LOSS_AGGS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def group_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6
@@ -48,7 +54,7 @@ def group_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: flo
 
 
 def _aggregate(values: torch.Tensor, mask: torch.Tensor, agg: LossAgg, normalizer: float | None,
-               seq_ids: torch.Tensor | None) -> torch.Tensor:
+               seq_ids: torch.Tensor | None, norm_tokens: float = 0.0) -> torch.Tensor:
     """Sum of masked `values`, over the normaliser of `agg` (see the module invariant)."""
     # where, not multiply: a nan/inf at a masked position (padding) must not leak into the sum.
     values = torch.where(mask, values, torch.zeros_like(values))
@@ -61,7 +67,15 @@ def _aggregate(values: torch.Tensor, mask: torch.Tensor, agg: LossAgg, normalize
             return values.sum() * 0.0
         denom = float(len(per_seq_sum)) if normalizer is None else normalizer
         return (per_seq_sum / per_seq_len).sum() / denom
-    raise ValueError(f"unknown loss aggregation {agg!r} (token-mean | seq-mean-token-mean)")
+    if agg == "seq-mean-token-sum-norm":
+        if norm_tokens <= 0:
+            raise ValueError("seq-mean-token-sum-norm needs norm_tokens > 0 (learner.loss_norm_tokens)")
+        per_seq_sum, _, _, _ = segment_sums(values, mask, seq_ids)
+        if len(per_seq_sum) == 0:
+            return values.sum() * 0.0
+        denom = float(len(per_seq_sum)) if normalizer is None else normalizer
+        return per_seq_sum.sum() / (denom * norm_tokens)
+    raise ValueError(f"unknown loss aggregation {agg!r} ({' | '.join(LOSS_AGGS)})")
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
@@ -75,19 +89,22 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 kl_coef: float = 0.0, entropy: torch.Tensor | None = None, entropy_coef: float = 0.0,
                 gen_logprobs: torch.Tensor | None = None, tis_cap: float = 0.0,
                 seq_ids: torch.Tensor | None = None, normalizer: float | None = None,
-                correction: str | None = None, is_cap: float = 2.0,
+                correction: str | None = None, is_cap: float = 2.0, objective: str = "ppo_clip",
+                norm_tokens: float = 0.0,
                 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO-clip loss with separate low/high clip ranges (clip-higher), per-token advantages.
+    """The policy loss of `objective` (policies.objectives: ppo_clip, gspo, cispo), per-token advantages.
 
     All tensors share one shape (flat packed tokens [T] or [B, L]); `advantages` is the
     sample's advantage broadcast over its tokens. `mask` selects the completion tokens.
-    loss = agg(max(-A r, -A clip(r, 1-clip_low, 1+clip_high)) * w) + kl_coef agg(k3)
+    loss = agg(l * w) + kl_coef agg(k3), l = objective's per-token loss, for ppo_clip
+    l = max(-A r, -A clip(r, 1-clip_low, 1+clip_high)), with
            - entropy_coef agg(entropy), with r = exp(logprobs - old_logprobs) and
     w = policies.offpolicy.importance_weights(old_logprobs, gen_logprobs, mode, cap) (detached), with
     mode, cap = correction, is_cap; or, when correction is None, ("tis", tis_cap) if tis_cap > 0 else no
     weight (the legacy switch). Without gen_logprobs, w = 1.
     `normalizer`: see the module invariant; None uses this call's own count.
-    `seq_ids`: the sample of each token, needed for "seq-mean-token-mean" on flat tokens.
+    `seq_ids`: the sample of each token, needed for the seq-mean aggregations and gspo on flat tokens.
+    `norm_tokens`: the constant of "seq-mean-token-sum-norm".
     Metrics are means over this call's valid tokens (weight them by `num_tokens` to combine).
     """
     mask = mask.bool()
@@ -98,11 +115,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     logprobs, old_logprobs, advantages = clean(logprobs), clean(old_logprobs), clean(advantages)
     ref_logprobs, entropy, gen_logprobs = clean(ref_logprobs), clean(entropy), clean(gen_logprobs)
     log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    pg_unclipped = -advantages * ratio
-    pg_clipped = -advantages * clipped
-    pg_per_token = torch.maximum(pg_unclipped, pg_clipped)
+    ratio = torch.exp(log_ratio.detach())
+    pg_per_token, clip_ratio, clipped = surrogate(objective, log_ratio, advantages, mask, clip_low, clip_high,
+                                                  seq_ids)
 
     metrics: dict[str, float] = {}
     if gen_logprobs is not None:
@@ -118,32 +133,32 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             metrics["tis_weight_mean"] = is_metrics["is_weight_mean"]
             metrics["tis_capped_frac"] = _masked_mean((weight >= tis_cap).to(ratio.dtype), mask)
 
-    pg_loss = _aggregate(pg_per_token, mask, agg, normalizer, seq_ids)
+    pg_loss = _aggregate(pg_per_token, mask, agg, normalizer, seq_ids, norm_tokens)
     loss = pg_loss
 
     if ref_logprobs is not None:
         # k3 estimator of KL(pi || ref): unbiased, always >= 0 (Schulman's "approximating KL").
         d = ref_logprobs - logprobs
         kl = torch.exp(d) - d - 1.0
-        kl_loss = _aggregate(kl, mask, agg, normalizer, seq_ids)
+        kl_loss = _aggregate(kl, mask, agg, normalizer, seq_ids, norm_tokens)
         if kl_coef:
             loss = loss + kl_coef * kl_loss
         metrics["kl"] = _masked_mean(kl, mask)
     if entropy is not None:
-        ent = _aggregate(entropy, mask, agg, normalizer, seq_ids)
+        ent = _aggregate(entropy, mask, agg, normalizer, seq_ids, norm_tokens)
         if entropy_coef:
             loss = loss - entropy_coef * ent
         metrics["entropy"] = _masked_mean(entropy, mask)
 
     with torch.no_grad():
         n = int(mask.sum())
-        is_clipped = (pg_clipped > pg_unclipped).to(ratio.dtype)
+        is_clipped = clipped.to(ratio.dtype)
         metrics.update(
             pg_loss=float(pg_loss.detach()),
             ppo_kl=_masked_mean(-log_ratio, mask),
             clipfrac=_masked_mean(is_clipped, mask),
-            clipfrac_low=_masked_mean(is_clipped * (ratio < 1.0 - clip_low).to(ratio.dtype), mask),
-            clipfrac_high=_masked_mean(is_clipped * (ratio > 1.0 + clip_high).to(ratio.dtype), mask),
+            clipfrac_low=_masked_mean(is_clipped * (clip_ratio < 1.0 - clip_low).to(ratio.dtype), mask),
+            clipfrac_high=_masked_mean(is_clipped * (clip_ratio > 1.0 + clip_high).to(ratio.dtype), mask),
             ratio_mean=_masked_mean(ratio, mask),
             ratio_max=float(ratio.detach()[mask].max()) if n else 1.0,
             ratio_min=float(ratio.detach()[mask].min()) if n else 1.0,

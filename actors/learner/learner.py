@@ -195,7 +195,8 @@ class Learner(LearnerEngine):
                         clip_high=c.clip_high, agg=c.loss_agg, ref_logprobs=it.get("ref_logprobs"),
                         kl_coef=c.kl_coef, entropy=ent, entropy_coef=c.entropy_coef,
                         gen_logprobs=it["gen_logprobs"], tis_cap=c.tis_cap, seq_ids=pb.sample_index,
-                        normalizer=norm, correction=correction, is_cap=c.correction_cap)
+                        normalizer=norm, correction=correction, is_cap=c.correction_cap, objective=c.loss,
+                        norm_tokens=float(c.loss_norm_tokens))
                     self.engine.backward(loss * (scale * weight))
                     w = m.pop("num_tokens") * weight
                     ratio_max = m.pop("ratio_max")
