@@ -76,6 +76,9 @@ class ModelConfig(_Section):
     # generator.max_turns > 1: the share of warm-start examples that are error-then-fix episodes
     # (a misspelt query, its error as an observation, then the answer; tasks/synthetic_episodes.py).
     tiny_sft_episodes: float = 0.0
+    # Of those episodes, the share whose first query misspells a quoted value instead of a name: it runs
+    # and shows no rows (or a 0 / NULL aggregate) before the answer fixes it.
+    tiny_sft_value_slips: float = 0.0
 
 
 class GeneratorConfig(_Section):

@@ -14,6 +14,8 @@ With generator.max_turns > 1 and `model.tiny_sft_episodes` = q > 0, each drawn e
 probability q, an error-then-fix episode (tasks/synthetic_episodes.py: a misspelt query, its real
 error as an observation with loss mask 0, then the same answer the one-shot draw would give), so both
 warm starts end on the same answer mixture and only the chance to see an error and retry differs.
+With `model.tiny_sft_value_slips` = v > 0, a share v of those episodes misspells a quoted value instead:
+the first query runs and shows no rows (or a 0 / NULL aggregate) before the answer.
 """
 from __future__ import annotations
 
@@ -88,14 +90,18 @@ class _Episodes:
 
         self.tok = AutoTokenizer.from_pretrained(model_path)
         self.max_obs = cfg.generator.max_observation_tokens
+        self.p_value = cfg.model.tiny_sft_value_slips
 
     def example(self, item, prompt: list[int], use_slip: bool, error_first: bool, rng) -> tuple:
-        """(prompt ids, response ids, loss mask): an error-then-fix episode when `error_first` (and a
-        misspelling of the answer fails), else the direct answer."""
+        """(prompt ids, response ids, loss mask): a slip-then-fix episode when `error_first` (and a
+        misspelling of the answer errors, or, for a share `model.tiny_sft_value_slips`, a misspelt value
+        shows other rows), else the direct answer."""
         from tasks.synthetic import slipped
         from tasks.synthetic_episodes import episode_target
 
         answer = (slipped(item.gold_sql) if use_slip else None) or item.gold_sql
-        got = episode_target(self.tok, answer, item.db_path, rng, self.max_obs, error_first) if error_first else None
+        kind = "value" if error_first and self.p_value > 0 and rng.random() < self.p_value else "identifier"
+        got = (episode_target(self.tok, answer, item.db_path, rng, self.max_obs, True, kind)
+               if error_first else None)
         ids, mask = got or episode_target(self.tok, answer, item.db_path, rng, self.max_obs, False)
         return prompt, ids, mask

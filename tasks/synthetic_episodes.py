@@ -7,6 +7,13 @@ An error-then-fix episode is
     <observation> error: no such column: nmae </observation>      (executed for real; mask 0)
      {the answer} <eos>                                            (mask 1)
 
+or, with kind="value" (a share `model.tiny_sft_value_slips` of them), an empty-then-fix episode whose
+first query misspells a quoted value, so it runs and shows no rows (or a 0 / NULL aggregate):
+
+    <sql>SELECT COUNT(*) FROM customer WHERE city = 'Prais'</sql>
+    <observation> COUNT(*)\n0\n(1 row) </observation>
+     {the answer} <eos>
+
 and a direct episode is just " {the answer} <eos>" (one turn), where the answer is the gold SQL or, with
 `model.tiny_sft_slip`, its template's slip, exactly as the one-shot warm start draws it (so the final
 answers of both warm starts have the same mixture: only the chance to see an error and retry differs).
@@ -16,7 +23,8 @@ Invariants:
   answer are tokenized as the model would have sampled them, the observation alone
   (policies.episode.observation_ids), so the warm start teaches exactly the ids the generator builds.
 - The observation is the real result of running the misspelt query read-only on the example's own
-  database (tasks/sandbox.execute_readonly); a misspelling that still runs is not used.
+  database (tasks/sandbox.execute_readonly); a misspelt name that still runs, or a misspelt value
+  whose query errors or returns the answer's own rows, is not used.
 - Pure given its inputs and `rng`; only training prompts are used.
 """
 from __future__ import annotations
@@ -31,20 +39,33 @@ _KEYWORDS = {"SELECT", "FROM", "WHERE", "GROUP", "ORDER", "LIMIT", "INNER", "JOI
              "STRFTIME", "DESC", "BETWEEN", "LIKE", "CAST", "REAL", "AVG", "SUM", "MIN", "MAX", "ASC", "UNION"}
 
 
+_VALUE = re.compile(r"'([A-Za-z]{3,})'")
+KINDS = ("identifier", "value")
+
+
+def _swap(sql: str, span: tuple[int, int], rng: random.Random) -> str | None:
+    """`sql` with two neighbouring letters of sql[span] swapped (never its first or last), or None when
+    the swap changes nothing."""
+    a, b = span
+    word = sql[a:b]
+    i = rng.randrange(1, len(word) - 1)
+    swapped = word[:i - 1] + word[i] + word[i - 1] + word[i + 1:]
+    return None if swapped == word else sql[:a] + swapped + sql[b:]
+
+
 def misspelt(sql: str, rng: random.Random) -> str | None:
     """`sql` with one table or column name misspelt (two letters swapped), or None when it has none.
     Quoted values are left alone."""
     unquoted = re.sub(r"'[^']*'", lambda m: " " * len(m.group()), sql)
     spans = [m.span(1) for m in _IDENT.finditer(unquoted) if m.group(1).upper() not in _KEYWORDS]
-    if not spans:
-        return None
-    a, b = rng.choice(spans)
-    word = sql[a:b]
-    i = rng.randrange(1, len(word) - 1)
-    swapped = word[:i - 1] + word[i] + word[i - 1] + word[i + 1:]
-    if swapped == word:
-        return None
-    return sql[:a] + swapped + sql[b:]
+    return _swap(sql, rng.choice(spans), rng) if spans else None
+
+
+def misspelt_value(sql: str, rng: random.Random) -> str | None:
+    """`sql` with one quoted word value misspelt (two letters swapped), or None when it has none: the
+    query still runs, and its filter matches nothing. Names and keywords are left alone."""
+    spans = [m.span(1) for m in _VALUE.finditer(sql)]
+    return _swap(sql, rng.choice(spans), rng) if spans else None
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -52,20 +73,30 @@ def encode(tokenizer, text: str) -> list[int]:
 
 
 def episode_target(tokenizer, answer: str, db_path: str, rng: random.Random, max_observation_tokens: int,
-                   error_first: bool) -> tuple[list[int], list[int]] | None:
-    """(response ids, loss mask) of one warm-start episode answering `answer`: with `error_first`, an
-    error-then-fix episode (None when no misspelling of `answer` fails), else the direct answer."""
+                   error_first: bool, kind: str = "identifier") -> tuple[list[int], list[int]] | None:
+    """(response ids, loss mask) of one warm-start episode answering `answer`: with `error_first`, a
+    slip-then-fix episode whose first query misspells a name (kind "identifier": it errors) or a quoted
+    value (kind "value": it runs and returns other rows than `answer`, as a rule none), None when no such
+    misspelling of `answer` exists; else the direct answer."""
     from tasks.sandbox import execute_readonly
 
+    if kind not in KINDS:
+        raise ValueError(f"episode_target: kind must be one of {KINDS}, got {kind!r}")
     final = encode(tokenizer, " " + answer) + [tokenizer.eos_token_id]
     if not error_first:
         return final, [1] * len(final)
-    bad = misspelt(answer, rng)
+    bad = (misspelt if kind == "identifier" else misspelt_value)(answer, rng)
     if bad is None:
         return None
     result = execute_readonly(db_path, bad, timeout_s=5.0, max_rows=1000)
-    if result.status == "ok":
+    if kind == "identifier" and result.status == "ok":
         return None  # the misspelling ran (an alias, say): no error to reveal
+    if kind == "value":
+        if result.status != "ok":
+            return None
+        right = execute_readonly(db_path, answer, timeout_s=5.0, max_rows=1000)
+        if right.status == "ok" and sorted(map(repr, right.rows)) == sorted(map(repr, result.rows)):
+            return None  # the misspelt value changes nothing visible: nothing to fix
     call = encode(tokenizer, ep.TOOL_OPEN + bad + ep.TOOL_CLOSE)
     obs = ep.observation_ids(tokenizer, ep.observation_text(result.status, result.columns, result.rows, result.error),
                              max_observation_tokens)

@@ -5,12 +5,13 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from config import ModelConfig, apply_overrides
+from config import ConfigError, ModelConfig, apply_overrides
 from config.recipes import get_recipe
 from policies import episode as ep
 from tasks.bird import load_split
 from tasks.synthetic import TINY_TEMPLATES, write_dataset
-from tasks.synthetic_episodes import episode_target, misspelt
+from tasks.sandbox import execute_readonly
+from tasks.synthetic_episodes import episode_target, misspelt, misspelt_value
 from tasks.tiny_model import build_tiny
 
 
@@ -32,16 +33,18 @@ def test_misspelt_swaps_one_identifier_and_never_a_keyword_or_a_value():
     assert misspelt("SELECT 1", rng) is None
 
 
+def _episodes(questions, tok, seed: int, kind: str) -> list[tuple]:
+    """(question, ids, mask) of every slip-then-fix episode made for the first 40 questions."""
+    rng = random.Random(seed)
+    made = [(q, episode_target(tok, q.sql, q.db_path, rng, 32, error_first=True, kind=kind)) for q in questions[:40]]
+    return [(q, *got) for q, got in made if got is not None]
+
+
 def test_error_then_fix_episode_is_concatenated_observed_and_masked(data):
     questions, tok = data
     rng = random.Random(1)
-    made = 0
-    for q in questions[:20]:
-        got = episode_target(tok, q.sql, q.db_path, rng, 32, error_first=True)
-        if got is None:
-            continue
-        made += 1
-        ids, mask = got
+    made = _episodes(questions, tok, 1, "identifier")
+    for q, ids, mask in made:
         final = tok(" " + q.sql, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         assert ids[-len(final):] == final and mask[-len(final):] == [1] * len(final)
         obs = [i for i, m in zip(ids, mask) if m == 0]
@@ -50,7 +53,7 @@ def test_error_then_fix_episode_is_concatenated_observed_and_masked(data):
         call = ids[:mask.index(0)]
         assert tok.decode(call).startswith(ep.TOOL_OPEN) and tok.decode(call).endswith(ep.TOOL_CLOSE)
         assert ep.tool_query(tok.decode(call)) != q.sql  # the first query is the slip, the answer the fix
-    assert made >= 10
+    assert len(made) >= 10
     direct_ids, direct_mask = episode_target(tok, questions[0].sql, questions[0].db_path, rng, 32, error_first=False)
     assert 0 not in direct_mask and direct_ids[-1] == tok.eos_token_id
 
@@ -60,3 +63,38 @@ def test_tiny_mt_recipe_is_tiny_with_three_turns_and_error_fix_warm_start():
     assert (mt.generator.max_turns, one.generator.max_turns) == (3, 1)
     assert mt.model.tiny_sft_episodes > 0 and mt.model.tiny_sft_slip == one.model.tiny_sft_slip
     assert mt.coordinator.steps == one.coordinator.steps and mt.learner.lr == one.learner.lr
+
+
+def test_misspelt_value_swaps_letters_inside_one_quoted_value_only():
+    rng = random.Random(0)
+    sql = "SELECT COUNT(*) FROM customer WHERE city = 'Paris'"
+    bads = {misspelt_value(sql, rng) for _ in range(20)}
+    assert len(bads) > 1 and sql not in bads and all(sorted(b) == sorted(sql) for b in bads)
+    assert all(b[:-7] == sql[:-7] and sum(x != y for x, y in zip(b, sql)) == 2 for b in bads)  # inside 'Paris'
+    assert misspelt_value("SELECT COUNT(*) FROM customer WHERE year >= 1990", rng) is None
+
+
+def test_value_slip_episode_runs_shows_other_rows_and_is_built_by_concatenation(data):
+    questions, tok = data
+    made = _episodes(questions, tok, 2, "value")
+    for q, ids, mask in made:
+        cut = mask.index(0)
+        call_text = tok.decode(ids[:cut])
+        bad = ep.tool_query(call_text)
+        assert bad != q.sql and sorted(bad) == sorted(q.sql)  # one value misspelt
+        ran, right = execute_readonly(q.db_path, bad, 5.0, 1000), execute_readonly(q.db_path, q.sql, 5.0, 1000)
+        assert ran.status == "ok" and sorted(map(repr, ran.rows)) != sorted(map(repr, right.rows))
+        obs = ep.observation_ids(tok, ep.observation_text(ran.status, ran.columns, ran.rows, ran.error), 32)
+        final = tok(" " + q.sql, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        call = tok(ep.TOOL_OPEN + bad + ep.TOOL_CLOSE, add_special_tokens=False)["input_ids"]
+        assert ids == call + obs + final  # concatenated pieces, never the whole history re-tokenized
+        assert mask == [1] * len(call) + [0] * len(obs) + [1] * len(final)
+        assert "error:" not in tok.decode(obs)
+    assert len(made) >= 10
+    with pytest.raises(ValueError, match="kind"):
+        episode_target(tok, questions[0].sql, questions[0].db_path, random.Random(0), 32, True, kind="typo")
+
+
+def test_value_slip_share_out_of_range_is_a_one_line_config_error():
+    with pytest.raises(ConfigError, match="model.tiny_sft_value_slips"):
+        apply_overrides(get_recipe("tiny_mt"), ["model.tiny_sft_value_slips=1.5"])
