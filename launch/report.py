@@ -8,9 +8,9 @@ Panels (each drawn only when at least one of its keys has a value; a step missin
     response length response_len_mean
     stage timings   every key starting with "time_" (seconds per step, one line each)
 Several runs: three panels side by side, held-out reward (sampled), held-out accuracy (greedy) and
-training reward (mean of the last SMOOTH steps), one colour per run, labelled by the run's seed when
-the runs' configs differ in it (else by directory name); written to --out (default compare.png in the
-current directory).
+training reward (mean of the last SMOOTH steps), one colour per run, labelled by the run's seed and
+generator.max_turns where the runs' configs differ in them (else by directory name); written to --out
+(default compare.png in the current directory).
 Rows are {"step": int, "time": float, ...scalars}; null values (NaN when logged) are skipped. Rows of
 step < 0 are the evaluation before training and are drawn at step 0. Every series has its own colour
 across the whole figure; legends sit outside the plots. The title counts training steps (distinct
@@ -137,15 +137,24 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     return out_path
 
 
-def _seed_of(run_dir: Path):
+LABEL_KEYS = (("seed", "seed"), ("generator.max_turns", "max_turns"))  # config key, label word
+
+
+def _config_value(run_dir: Path, dotted: str):
     try:
-        return json.loads((run_dir / "config.json").read_text()).get("seed")
+        value = json.loads((run_dir / "config.json").read_text())
     except (OSError, ValueError):
         return None
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
 
 
-def _label(run_dir: Path, seeds: set) -> str:
-    return f"seed {_seed_of(run_dir)}" if len(seeds) > 1 else run_dir.name
+def _label(run_dir: Path, dirs: list[Path]) -> str:
+    """The run's values of the LABEL_KEYS that differ among `dirs` ("seed 1, max_turns 3"), else its name."""
+    words = [f"{word} {_config_value(run_dir, key)}" for key, word in LABEL_KEYS
+             if len({_config_value(d, key) for d in dirs}) > 1]
+    return ", ".join(words) or run_dir.name
 
 
 def write_comparison(run_dirs: list, out: str | Path | None = None) -> Path:
@@ -157,7 +166,6 @@ def write_comparison(run_dirs: list, out: str | Path | None = None) -> Path:
 
     dirs = [Path(d) for d in run_dirs]
     runs = [(d, load_rows(d / "metrics.jsonl")) for d in dirs]
-    seeds = {_seed_of(d) for d in dirs}
     keys = [("eval_reward_mean", "held-out reward (sampled)"), ("eval_accuracy", "held-out accuracy (greedy)"),
             ("reward_mean", f"training reward (mean of last {SMOOTH})")]
     if not any(series(rows, k)[0] for _, rows in runs for k, _ in keys):
@@ -171,7 +179,7 @@ def write_comparison(run_dirs: list, out: str | Path | None = None) -> Path:
             if key == "reward_mean":
                 values = smoothed(values)
             ax.plot(steps, values, color=colours[i % len(colours)], marker="o" if len(steps) < 30 else None,
-                    markersize=3, label=_label(d, seeds))
+                    markersize=3, label=_label(d, dirs))
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -99,4 +99,10 @@ def test_several_runs_make_one_comparison_labelled_by_seed(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(out) and out.read_bytes()[:8] == PNG_MAGIC
     from launch.report import _label
 
-    assert _label(tmp_path / "s1", {0, 1, 2}) == "seed 1" and _label(tmp_path / "s1", {0}) == "s1"
+    dirs = [tmp_path / f"s{seed}" for seed in (0, 1, 2)]
+    assert _label(tmp_path / "s1", dirs) == "seed 1" and _label(tmp_path / "s1", [tmp_path / "s1"]) == "s1"
+    (tmp_path / "t1").mkdir()
+    (tmp_path / "t1" / "config.json").write_text(json.dumps({"seed": 1, "generator": {"max_turns": 1}}))
+    (tmp_path / "s1" / "config.json").write_text(json.dumps({"seed": 1, "generator": {"max_turns": 3}}))
+    assert _label(tmp_path / "t1", dirs + [tmp_path / "t1"]) == "seed 1, max_turns 1"
+    assert _label(tmp_path / "s1", [tmp_path / "s1", tmp_path / "t1"]) == "max_turns 3"
