@@ -55,7 +55,7 @@ def make_engine(max_tokens=30):
     eng.cfg = GeneratorConfig(engine="vllm", max_tokens=max_tokens, temperature=1.0)
     eng.version, eng.max_model_len, eng.vocab_size = 0, 4096, None
     eng._ids, eng._inflight = iter(range(10**6)), set()
-    eng._m = {"requests": 0, "tokens": 0, "busy_s": 0.0}
+    eng._m = {"requests": 0, "tokens": 0, "busy_s": 0.0, "prompt_tokens": 0, "cached_tokens": 0}
     eng._sym_fn = fake_sym
     eng.llm = FakeAsyncLLM(eng)
     eng.enable_partial()
