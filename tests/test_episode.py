@@ -257,36 +257,3 @@ async def test_generator_runs_episodes_for_max_turns_above_1(tiny_dir, question)
     finally:
         gen.close_episodes()
 
-
-async def test_an_episode_left_pending_by_a_dead_generator_is_reclaimed_and_run_whole(tiny_dir, question, redis_url):
-    from queues.streams import Stream, connect
-
-    redis = await connect(redis_url)
-    prompts = Stream(redis, "ep", "prompts", group="generators")
-    rollouts = Stream(redis, "ep", "rollouts", group="scorers")
-    await prompts.ensure_group()
-    await rollouts.ensure_group()
-    cfg = GeneratorConfig(engine="transformers", device="cpu", max_turns=2, max_tokens=12, max_batch_prompts=8,
-                          tool_workers=1, tool_timeout_s=2.0)
-    engine = TransformersEngine(cfg, MODEL_CFG, tiny_dir)
-    await prompts.publish(codec(PromptTask).encode(_task(question, engine.tokenizer("Q: how many?")["input_ids"], n=2)))
-    assert len(await prompts.consume("dead-gen", count=1, block_ms=100)) == 1  # pulled mid-episode, then it died
-    gen = Generator(engine, cfg, reclaim_idle_s=0.2)
-    runner = asyncio.create_task(gen.run(redis_url, "ep", "gen1"))
-    try:
-        got = []
-        for _ in range(300):
-            got += await rollouts.consume("scorer0", count=1, block_ms=100)
-            if got:
-                break
-        assert got, "the reclaimed episode's group never arrived"
-        group = codec(RolloutGroup).decode(got[0][1])
-        assert not group.error and len(group.samples) == 2 and all(s.turns >= 1 for s in group.samples)
-        assert gen.episodes is not None  # it ran as an episode (the EpisodeRunner), not the one-shot path
-        gen.stop()
-        await asyncio.wait_for(runner, 20)
-        assert gen.stats()["generator_tasks_reclaimed"] == 1 and (await prompts.depth())["pending"] == 0
-    finally:
-        runner.cancel()
-        gen.close_episodes()
-        await redis.aclose()
