@@ -14,6 +14,10 @@ Invariants:
   counted once): every kept sample lands in exactly one micro-batch. A sample's tokens are its whole
   episode (observations included: they sit in the learner's row); its Sample.loss_mask travels in
   TrainGroup.loss_masks (none when no sample of the group has one).
+- Overlong handling (policies/overlong.py, assembler.overlong) happens before admission: a soft penalty
+  changes the rewards that admission and advantages see; "filter" cuts truncated samples from the batch
+  after their group's advantages are computed, and a group whose samples are all truncated is "filtered".
+  "none" leaves every reward and sample as scored. Its counts are in the step's metrics.
 - Staleness metrics are over the tokens of the trained groups, in versions behind the step's
   version: mean, max, the fraction of tokens at each lag (`tokens_lag<k>_frac`, summing to 1) and
   the fraction of samples whose tokens span more than one version (partial rollouts).
@@ -26,6 +30,7 @@ import os
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 import structlog
 import torch
@@ -33,9 +38,11 @@ import torch
 from config import AssemblerConfig
 from policies.episode import episode_metrics
 from policies.grpo import group_advantages
+from policies.overlong import shape
 from policies.packing import plan_micro_batches, split_minibatches
 from policies.prefix import plan_group_micro_batches
-from queues.messages import ScoredGroup, TrainBatch, TrainGroup, codec, oldest_version, sample_versions
+from queues.messages import (ScoredGroup, TrainBatch, TrainGroup, codec, oldest_version, sample_versions,
+                            unpack_loss_mask)
 
 log = structlog.get_logger("arctic_rl.assembler")
 
@@ -53,11 +60,34 @@ def admit(group: ScoredGroup, version: int, cfg: AssemblerConfig) -> str:
         return STALE
     if cfg.filter_zero_variance and len(set(group.rewards)) <= 1:
         return FILTERED
+    if cfg.overlong == "filter" and all(s.finish_reason == "length" for s in group.rollout.samples):
+        return FILTERED
     return TRAINED
 
 
-def build_batch(step: int, version: int, groups: list[ScoredGroup], cfg: AssemblerConfig) -> TrainBatch:
+def model_tokens(sample) -> int:
+    """A sample's model tokens: its loss mask's 1s (an episode's observations excluded), else all its tokens."""
+    n = len(sample.tokens) // 4
+    m = unpack_loss_mask(sample.loss_mask, n)
+    return n if m is None else int(m.sum())
+
+
+def apply_overlong(group: ScoredGroup, cfg: AssemblerConfig) -> tuple[ScoredGroup, list[bool], dict[str, float]]:
+    """(the group with shaped rewards, keep per sample, counts) under cfg.overlong (pure)."""
+    samples = group.rollout.samples
+    if cfg.overlong == "none" or group.rollout.error or not samples:
+        return group, [True] * len(samples), {}
+    rewards, keep, counts = shape(group.rewards, [model_tokens(s) for s in samples],
+                                  [s.finish_reason == "length" for s in samples], cfg.overlong,
+                                  cfg.max_tokens, cfg.overlong_buffer)
+    return msgspec.structs.replace(group, rewards=rewards), keep, counts
+
+
+def build_batch(step: int, version: int, groups: list[ScoredGroup], cfg: AssemblerConfig,
+                keep: list[list[bool]] | None = None) -> TrainBatch:
     """Advantages per group, then a token-budget packing plan over all kept samples (pure).
+
+    `keep[g][i]` False cuts sample i of group g after the advantages (overlong "filter"); None keeps all.
 
     With cfg.share_prompt (set from learner.share_prompt) groups are planned as units with the
     prompt counted once (policies/prefix.py); num_tokens and the minibatch balance use those counts.
@@ -70,16 +100,19 @@ def build_batch(step: int, version: int, groups: list[ScoredGroup], cfg: Assembl
     for gi, g in enumerate(groups):
         rewards = torch.tensor([g.rewards], dtype=torch.float64)
         adv, _ = group_advantages(rewards, normalize_std=cfg.normalize_std)
+        kept = [i for i in range(len(g.rollout.samples)) if keep is None or keep[gi][i]]
+        samples = [g.rollout.samples[i] for i in kept]
         prompt = g.rollout.task.prompt_tokens
         train_groups.append(TrainGroup(
             prompt_id=g.rollout.task.prompt_id, prompt_tokens=prompt,
-            completions=[s.tokens for s in g.rollout.samples], gen_logprobs=[s.logprobs for s in g.rollout.samples],
-            advantages=[float(a) for a in adv[0]], rewards=list(g.rewards), policy_version=oldest_version(g.rollout),
-            loss_masks=[s.loss_mask for s in g.rollout.samples] if any(s.loss_mask for s in g.rollout.samples) else []))
+            completions=[s.tokens for s in samples], gen_logprobs=[s.logprobs for s in samples],
+            advantages=[float(adv[0][i]) for i in kept], rewards=[g.rewards[i] for i in kept],
+            policy_version=oldest_version(g.rollout),
+            loss_masks=[s.loss_mask for s in samples] if any(s.loss_mask for s in samples) else []))
         prompt_len = len(prompt) // 4
         prompt_lens.append(prompt_len)
-        comp_lens.append([len(s.tokens) // 4 for s in g.rollout.samples])
-        for si, s in enumerate(g.rollout.samples):
+        comp_lens.append([len(s.tokens) // 4 for s in samples])
+        for si, s in enumerate(samples):
             flat.append((gi, si))
             lengths.append(prompt_len + len(s.tokens) // 4)
     if cfg.share_prompt:
@@ -254,22 +287,28 @@ class Assembler:
         for t in missing:
             outcomes[t] = FAILED  # never arrived within the step's deadline
         fresh = [t for t in task_ids if t in self.buffer]
-        groups = [self.buffer[t][1] for t in fresh]
+        shaped = [apply_overlong(self.buffer[t][1], self.cfg) for t in fresh]
         kept: list[ScoredGroup] = []
-        for t, g in zip(fresh, groups):
+        keep: list[list[bool]] = []
+        overlong: dict[str, float] = {}
+        for t, (g, k, counts) in zip(fresh, shaped):
             outcomes[t] = admit(g, version, self.cfg)
+            for key, v in counts.items():
+                overlong[key] = overlong.get(key, 0.0) + v
             if outcomes[t] == TRAINED:
                 kept.append(g)
+                keep.append(k)
         # Every task of the step has exactly one outcome (arrived or not): the ledger identity
         # prompts == sum of prompts_<outcome> holds on every step, timeouts included.
         if set(outcomes) != set(task_ids):
             raise RuntimeError(f"step {step}: outcomes for {len(outcomes)} tasks, {len(set(task_ids))} published")
-        metrics = step_metrics(groups, outcomes)
+        metrics = step_metrics([self.buffer[t][1] for t in fresh], outcomes)  # the rewards as scored
         metrics.update(staleness_metrics(kept, version))
         metrics["duplicates_ignored"] = float(self.duplicates)
+        metrics.update(overlong)
         published = False
         if kept:
-            batch = build_batch(step, version, kept, self.cfg)
+            batch = build_batch(step, version, kept, self.cfg, keep)
             batch.metrics = {"train_tokens": float(batch.num_tokens), "micro_batches": float(len(batch.micro_batches))}
             await self.batches.publish(codec(TrainBatch).encode(batch))
             metrics.update(batch.metrics)

@@ -137,6 +137,13 @@ class AssemblerConfig(_Section):
     # Plan micro-batches with each group's prompt counted once (policies/prefix.py). Not a user key:
     # validate() sets it from learner.share_prompt, the one source of truth.
     share_prompt: bool = False
+    # Overlong samples (policies/overlong.py, DAPO): "none" as scored, "soft_penalty" DAPO's length penalty
+    # over the last overlong_buffer tokens before max_tokens (0: a quarter of max_tokens), "filter" truncated
+    # samples cut from the batch (their group's advantages unchanged).
+    overlong: Literal["none", "filter", "soft_penalty"] = "none"
+    overlong_buffer: int = 0
+    # Not a user key: validate() sets it from generator.max_tokens (DAPO's L_max).
+    max_tokens: int = 0
     num_cpus: float = 0.25
 
 

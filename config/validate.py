@@ -8,7 +8,8 @@ Invariants:
   can be off-policy (async with max_staleness > 0, or an engine other than the learner's numerics)
   is accepted with a logged warning.
 - Every `auto` is resolved here and nowhere else: the correction (`resolve_correction`), Dr.GRPO's
-  `learner.loss_norm_tokens=0` (the generator's max_tokens), the weight
+  `learner.loss_norm_tokens=0` (the generator's max_tokens), `assembler.overlong_buffer=0` (a quarter of
+  it; assembler.max_tokens is always the generator's), the weight
   transport and the learner's world size (`resolve_placement`, through the pure
   config.placement.make_placement), so the config.json a run saves holds no `auto` and loads back
   to the same config.
@@ -42,6 +43,9 @@ def validate(data: dict) -> RunConfig:
     cfg.assembler.share_prompt = cfg.learner.share_prompt
     if cfg.learner.loss_agg == "seq-mean-token-sum-norm" and cfg.learner.loss_norm_tokens == 0:
         cfg.learner.loss_norm_tokens = cfg.generator.max_tokens  # Dr.GRPO's constant: the longest answer
+    cfg.assembler.max_tokens = cfg.generator.max_tokens  # DAPO's L_max: not a user key
+    if cfg.assembler.overlong_buffer == 0:
+        cfg.assembler.overlong_buffer = max(1, cfg.generator.max_tokens // 4)
     resolve_placement(cfg)
     return cfg
 
@@ -133,6 +137,8 @@ def check(cfg: RunConfig) -> None:
     need(cfg.learner.tis_cap >= 0, "learner.tis_cap", "must be >= 0")
     need(0 <= cfg.learner.clip_low <= 1, "learner.clip_low", "must be in [0, 1]")
     need(cfg.learner.clip_high >= 0, "learner.clip_high", "must be >= 0")
+    need(0 <= cfg.assembler.overlong_buffer < cfg.generator.max_tokens, "assembler.overlong_buffer",
+         f"must be in [0, generator.max_tokens={cfg.generator.max_tokens}) (0: a quarter of max_tokens)")
     need(cfg.learner.loss_norm_tokens >= 0, "learner.loss_norm_tokens", "must be >= 0 (0: generator.max_tokens)")
     need(cfg.learner.tis_cap == 0 or cfg.learner.correction in ("auto", "tis"), "learner.tis_cap",
          f"is the legacy switch for correction='tis'; with learner.correction={cfg.learner.correction!r} leave it 0 "
