@@ -41,8 +41,8 @@ from policies.grpo import group_advantages
 from policies.overlong import shape
 from policies.packing import plan_micro_batches, split_minibatches
 from policies.prefix import plan_group_micro_batches
-from queues.messages import (ScoredGroup, TrainBatch, TrainGroup, codec, oldest_version, sample_versions,
-                            unpack_loss_mask)
+from queues.messages import (ScoredGroup, TrainBatch, TrainGroup, codec, oldest_version, sample_versions,  # noqa: F401
+                            task_step, unpack_loss_mask)  # task_step: re-exported (it lives in queues.messages)
 
 log = structlog.get_logger("arctic_rl.assembler")
 
@@ -127,14 +127,6 @@ def build_batch(step: int, version: int, groups: list[ScoredGroup], cfg: Assembl
                       num_tokens=sum(lengths))
 
 
-def task_step(key: str) -> int | None:
-    """The step a task id or memo key belongs to: "<step>:<prompt>:<slot>", "eval:<step>:<tag><k>" or a
-    step number; None for anything else (never pruned)."""
-    head = key[len("eval:"):] if key.startswith("eval:") else key
-    head = head.split(":", 1)[0]
-    return int(head) if head.lstrip("-").isdigit() else None
-
-
 def staleness_metrics(groups: list[ScoredGroup], version: int) -> dict[str, float]:
     """Token staleness of the trained groups against `version` (see the module invariant; pure)."""
     lags: dict[int, int] = {}
@@ -203,7 +195,7 @@ class Assembler:
         self.scored = self.batches = None
 
     async def start(self, redis_url: str, run_id: str, high_water: int = 4096) -> None:
-        from queues.streams import Stream, connect
+        from queues.streams import StageHash, Stream, connect
 
         if self._task is not None:
             return
@@ -213,10 +205,10 @@ class Assembler:
         self.batches = Stream(redis, run_id, "batches", group="learner", high_water=high_water)
         # Each assembled step's result, written before its groups are acked: a collect that Ray
         # retries on a restarted instance returns it instead of waiting for acked groups.
-        self.memo_key = f"arl:{run_id}:assembled"
+        self.memo = StageHash(redis, run_id, "assembled")
         await self.scored.ensure_group()
         await self.batches.ensure_group()
-        for raw in (await self.scored._call(lambda: self.scored.redis.hvals(self.memo_key))) or []:
+        for raw in await self.memo.values():
             self.resolved.update(json.loads(raw)["outcomes"])
         # After a restart, first take back what this consumer held when it died.
         for msg_id, data in await self.scored.pending_mine(self.consumer, count=100_000):
@@ -230,12 +222,11 @@ class Assembler:
             await self.start(*self._start_args)
 
     async def _memo_get(self, key: str) -> dict | None:
-        raw = await self.scored._call(lambda: self.scored.redis.hget(self.memo_key, key))
+        raw = await self.memo.get(key)
         return json.loads(raw) if raw else None
 
     async def _memo_put(self, key: str, result: dict) -> None:
-        data = json.dumps(result)
-        await self.scored._call(lambda: self.scored.redis.hset(self.memo_key, key, data))
+        await self.memo.put(key, json.dumps(result).encode())
 
     async def pid(self) -> int:
         return os.getpid()
@@ -366,16 +357,14 @@ class Assembler:
         late duplicates of those steps still buffered."""
         await self._ensure_started()
 
-        def old(t: str | bytes) -> bool:
-            step = task_step(t.decode() if isinstance(t, bytes) else t)
+        def old(t: str) -> bool:
+            step = task_step(t)
             return step is not None and step < task_prefix_step
         self.resolved = {t: o for t, o in self.resolved.items() if not old(t)}
         stale = [t for t in self.buffer if old(t)]
         if stale:
             await self.scored.ack([self.buffer.pop(t)[0] for t in stale])
-        fields = [k for k in (await self.scored._call(lambda: self.scored.redis.hkeys(self.memo_key))) or [] if old(k)]
-        if fields:
-            await self.scored._call(lambda: self.scored.redis.hdel(self.memo_key, *fields))
+        await self.memo.delete(*[k for k in await self.memo.fields() if old(k)])
 
     def __repr__(self) -> str:  # the Ray dashboard's Repr column: live state
         g = lambda name, default=0: getattr(self, name, default)  # noqa: E731 - Ray may call it before __init__ ends

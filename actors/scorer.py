@@ -119,27 +119,34 @@ class Scorer:
 
 
 class ScorerLoop:
-    """The stream side: rollouts (group "scorers") -> score -> scored; ack after publish."""
+    """The stream side: rollouts (group "scorers") -> score -> scored, on the one consumer loop
+    (queues.worker.Worker: pending first, reclaim, heartbeat, ack after publish)."""
 
     def __init__(self, scorer: Scorer, consumer: str, reclaim_idle_s: float = 30.0, batch: int = 8):
         self.scorer = scorer
         self.consumer = consumer
-        self.reclaim_idle_ms = int(reclaim_idle_s * 1000)
+        self.reclaim_idle_s = reclaim_idle_s
         self.batch = batch
         self.undecodable = 0
-        self.inflight: dict[str, asyncio.Task] = {}
-        self._stop = asyncio.Event()
+        self.worker = None
+        self._stopped = False
+
+    @property
+    def inflight(self) -> dict:
+        return self.worker.inflight if self.worker is not None else {}
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopped = True
+        if self.worker is not None:
+            self.worker.stop()
 
     async def run(self, redis_url: str, run_id: str, high_water: int = 4096) -> None:
         from queues.streams import Stream, connect
+        from queues.worker import Worker
 
         redis = await connect(redis_url)
         rollouts = Stream(redis, run_id, "rollouts", group="scorers", high_water=high_water)
         scored = Stream(redis, run_id, "scored", high_water=high_water)
-        await rollouts.ensure_group()
         decode = codec(RolloutGroup).decode
         encode = codec(ScoredGroup).encode
 
@@ -147,46 +154,22 @@ class ScorerLoop:
             try:
                 group = decode(data)
             except (SchemaError, msgspec.DecodeError) as e:
-                self.undecodable += 1
+                self.undecodable += 1  # acked by the worker: retrying it could never succeed
                 log.error("scorer.undecodable_dropped", entry_id=entry_id, error=str(e)[:300])
-                await rollouts.ack([entry_id])
                 return
             result = await self.scorer.score(group)
-            await scored.publish(encode(result))
-            await rollouts.ack([entry_id])  # only now: a crash before this leaves it for reclaim
+            await scored.publish(encode(result))  # the worker acks only after this
 
         # Up to `batch` groups in flight, refilled as each one finishes: one slow query holds one
         # slot, never the others (no head-of-line blocking behind a batch's slowest group).
-        inflight: dict[str, asyncio.Task] = {}
-        self.inflight = inflight
+        # A handler's failure ends the loop (Ray restarts the actor); its entry stays pending.
+        self.worker = Worker(rollouts, self.consumer, handle, concurrency=self.batch,
+                             reclaim_idle_s=self.reclaim_idle_s, on_error="raise")
+        if self._stopped:
+            self.worker.stop()
         try:
-            # Messages this consumer had taken before a restart come first.
-            entries = await rollouts.pending_mine(self.consumer)
-            last_reclaim = time.monotonic()
-            while not self._stop.is_set():
-                free = self.batch - len(inflight)
-                if not entries and free > 0:
-                    entries = await rollouts.consume(self.consumer, count=free, block_ms=50 if inflight else 200)
-                if time.monotonic() - last_reclaim > max(1.0, self.reclaim_idle_ms / 2000):
-                    last_reclaim = time.monotonic()
-                    entries += await rollouts.reclaim(self.consumer, self.reclaim_idle_ms, count=self.batch)
-                held = []
-                for eid, data in entries:
-                    if eid in inflight:  # reclaimed from ourselves while still being scored
-                        continue
-                    if len(inflight) >= self.batch:
-                        held.append((eid, data))
-                        continue
-                    inflight[eid] = asyncio.create_task(handle(eid, data))
-                entries = held
-                if inflight:
-                    done, _ = await asyncio.wait(list(inflight.values()), timeout=0.05,
-                                                 return_when=asyncio.FIRST_COMPLETED)
-                    for eid in [e for e, t in inflight.items() if t in done]:
-                        inflight.pop(eid).result()  # a failure ends the loop (Ray restarts the actor)
+            await self.worker.run()
         finally:
-            for task in inflight.values():
-                task.cancel()
             await redis.aclose()
 
 

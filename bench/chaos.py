@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from queues.messages import is_eval_task, task_step
+
 ROOT = Path(__file__).resolve().parent.parent
 TITLES = {"generator": "ray::GeneratorShell", "scorer": "ray::ScorerShell", "assembler": "ray::Assembler",
           "learner": "ray::LearnerShell", "coordinator": "ray::Coordinator", "redis": "redis-server"}
@@ -167,7 +169,7 @@ def verify(run_dir: Path, steps: int, per_step: int) -> dict:
     lost = doubled = failed = bad_rows = 0
     problems = []
     for step in range(steps):
-        mine = {t: o for t, o in ledger.items() if t.split(":", 1)[0] == str(step)}
+        mine = {t: o for t, o in ledger.items() if not is_eval_task(t) and task_step(t) == step}
         if len(mine) < per_step:
             lost += per_step - len(mine)
             problems.append(f"step {step}: {per_step - len(mine)} prompts have no outcome")

@@ -54,6 +54,37 @@ def unpack_floats(buf: bytes) -> np.ndarray:
     return np.frombuffer(buf, dtype="<f4")
 
 
+# -- task ids: built and parsed only here --------------------------------------------------------
+# A training task is "<step>:<slot>:<attempt>", an eval task "eval:<step>:<tag><k>", a turn of a
+# multi-turn episode asks the engine as "<task id>/e<episode>t<turn>".
+
+EVAL_PREFIX = "eval:"
+
+
+def train_task_id(step: int, slot: int, attempt: int = 0) -> str:
+    return f"{step}:{slot}:{attempt}"
+
+
+def eval_task_id(step: int, tag: str, k: int) -> str:
+    return f"{EVAL_PREFIX}{step}:{tag}{k}"
+
+
+def episode_turn_id(task_id: str, episode: int, turn: int) -> str:
+    return f"{task_id}/e{episode}t{turn}"
+
+
+def is_eval_task(task_id: str) -> bool:
+    return task_id.startswith(EVAL_PREFIX)
+
+
+def task_step(key: str) -> int | None:
+    """The step a task id or memo key belongs to: "<step>:<slot>:<attempt>", "eval:<step>:<tag><k>" or a
+    step number; None for anything else."""
+    head = key[len(EVAL_PREFIX):] if is_eval_task(key) else key
+    head = head.split(":", 1)[0]
+    return int(head) if head.lstrip("-").isdigit() else None
+
+
 class Message(msgspec.Struct, kw_only=True, omit_defaults=False):
     schema: int = SCHEMA
 

@@ -199,6 +199,11 @@ class Stream:
         res = await self._call(op)
         return self._entries(res[1])
 
+    async def touch(self, consumer: str, ids: list[str]) -> None:
+        """Resets the idle time of `ids` pending on `consumer` (XCLAIM to itself): a heartbeat."""
+        if ids:
+            await self._call(lambda: self.redis.xclaim(self.key, self.group, consumer, 0, ids, justid=True))
+
     # -- bookkeeping -------------------------------------------------------------------------
 
     async def trim(self) -> int:
@@ -245,3 +250,36 @@ class Stream:
 
     async def delete(self) -> None:
         await self._call(lambda: self.redis.delete(self.key))
+
+
+class StageHash:
+    """A run-scoped Redis hash (`arl:<run>:<name>`) over the same client and retries as a Stream.
+
+    Used for small durable memos (the assembler's per-task outcomes) that must survive an actor
+    restart; values are bytes, fields strings.
+    """
+
+    def __init__(self, redis: aioredis.Redis, run_id: str, name: str, *, retry_budget_s: float = 30.0):
+        self.redis = redis
+        self.key = stream_key(run_id, name)
+        self.retry_budget_s = retry_budget_s
+
+    async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
+        return await with_retry(self.redis, op, budget_s=self.retry_budget_s)
+
+    async def get(self, field: str) -> bytes | None:
+        return await self._call(lambda: self.redis.hget(self.key, field))
+
+    async def put(self, field: str, value: bytes) -> None:
+        await self._call(lambda: self.redis.hset(self.key, field, value))
+
+    async def values(self) -> list[bytes]:
+        return list(await self._call(lambda: self.redis.hvals(self.key)) or [])
+
+    async def fields(self) -> list[str]:
+        raw = await self._call(lambda: self.redis.hkeys(self.key)) or []
+        return [f.decode() if isinstance(f, bytes) else f for f in raw]
+
+    async def delete(self, *fields: str) -> None:
+        if fields:
+            await self._call(lambda: self.redis.hdel(self.key, *fields))

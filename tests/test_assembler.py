@@ -105,7 +105,7 @@ async def test_forget_before_prunes_train_and_eval_state(redis_url):
     assert set(asm.resolved) == {"0:0:0", "eval:0:g0", "3:0:0", "eval:3:g0"}
     await asm.forget_before(2)
     assert set(asm.resolved) == {"3:0:0", "eval:3:g0"}
-    memo = {k.decode() for k in await redis.hkeys(asm.memo_key)}
+    memo = {k.decode() for k in await redis.hkeys(asm.memo.key)}
     assert memo == {"3", "eval:3:g0"}
     assert "last step 3" in repr(asm) and "2 resolved" in repr(asm)  # the dashboard's Repr column
     await asm.stop()

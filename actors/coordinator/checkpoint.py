@@ -17,6 +17,7 @@ from pathlib import Path
 
 from actors.coordinator.cursor import DataCursor
 from actors.shell import call
+from queues.messages import is_eval_task, task_step
 
 
 class Checkpointing:
@@ -77,7 +78,7 @@ class Checkpointing:
         self.cursor = DataCursor(len(self.train_items), c["seed"], c["epoch"], c["position"])
         # Outcomes up to the checkpoint's step; later steps (lost with the crash) are redone.
         self.ledger = {t: o for t, o in state.get("ledger", {}).items()
-                       if not t[:1].isdigit() or int(t.split(":", 1)[0]) <= state["step"]}
+                       if is_eval_task(t) or task_step(t) is None or task_step(t) <= state["step"]}
         # The generators start from the initial weights: give them the checkpoint's.
         await self._all_generators("wake", ["weights"])
         await self.sync_weights(self.version)

@@ -39,9 +39,8 @@ from actors.coordinator.sync import WeightSyncHandshake
 from actors.shell import call
 from config import RunConfig
 from observe.ray_metrics import export as export_ray_metrics
-from queues.messages import Event, PromptTask, codec
+from queues.messages import EVAL_PREFIX, Event, PromptTask, codec, eval_task_id, task_step, train_task_id
 
-EVAL_PREFIX = "eval:"
 
 
 class Coordinator(WeightSyncHandshake, Checkpointing):
@@ -87,7 +86,6 @@ class Coordinator(WeightSyncHandshake, Checkpointing):
 
     def _forget_generated(self, before_step: int) -> None:
         """Bounds the generated-events map: tasks of steps before `before_step` (evals too) go."""
-        from actors.assembler import task_step
 
         self._generated = {t: at for t, at in self._generated.items()
                            if (task_step(t) is None or task_step(t) >= before_step)}
@@ -109,7 +107,7 @@ class Coordinator(WeightSyncHandshake, Checkpointing):
     def _tasks(self, step: int, indices: list[int], version: int, first_slot: int = 0) -> list[PromptTask]:
         n = self.cfg.generator.n_samples
         now = time.time()
-        return [PromptTask(task_id=f"{step}:{first_slot + slot}:0", prompt_id=self.train_items[i].prompt_id, step=step,
+        return [PromptTask(task_id=train_task_id(step, first_slot + slot), prompt_id=self.train_items[i].prompt_id, step=step,
                            policy_version=version, prompt_tokens=self.train_items[i].prompt_tokens, n=n,
                            db_id=self.train_items[i].db_id, db_path=self.train_items[i].db_path,
                            gold_sql=self.train_items[i].gold_sql, difficulty=self.train_items[i].difficulty,
@@ -124,7 +122,7 @@ class Coordinator(WeightSyncHandshake, Checkpointing):
         if not self.eval_items:
             return {}
         def tasks(tag: str, n: int, sampling: dict) -> list[PromptTask]:
-            return [PromptTask(task_id=f"{EVAL_PREFIX}{self.step}:{tag}{k}", prompt_id=f"{EVAL_PREFIX}{it.prompt_id}",
+            return [PromptTask(task_id=eval_task_id(self.step, tag, k), prompt_id=f"{EVAL_PREFIX}{it.prompt_id}",
                                step=-1, policy_version=self.version, prompt_tokens=it.prompt_tokens, n=n,
                                db_id=it.db_id, db_path=it.db_path, gold_sql=it.gold_sql, difficulty=it.difficulty,
                                sampling=sampling, published_at=time.time())

@@ -28,7 +28,7 @@ import numpy as np
 from actors.engines.base import Engine, resolve_sampling
 from policies import episode as ep
 from policies.sql_reward import extract_sql
-from queues.messages import PromptTask, RolloutGroup, Sample, pack_floats, pack_ids, unpack_floats, unpack_ids
+from queues.messages import PromptTask, RolloutGroup, Sample, episode_turn_id, pack_floats, pack_ids, unpack_floats, unpack_ids
 
 
 class EpisodeRunner:
@@ -67,7 +67,7 @@ class EpisodeRunner:
             sampling.update(n=1, max_tokens=budget, stop=stop)
             if settings.seed is not None:
                 sampling["seed"] = settings.seed + 7919 * index + turn
-            request = PromptTask(task_id=f"{task.task_id}/e{index}t{turn}", prompt_id=task.prompt_id, step=task.step,
+            request = PromptTask(task_id=episode_turn_id(task.task_id, index, turn), prompt_id=task.prompt_id, step=task.step,
                                  policy_version=task.policy_version, prompt_tokens=pack_ids(prompt + ids), n=1,
                                  sampling=sampling, db_id=task.db_id, db_path=task.db_path, gold_sql=task.gold_sql,
                                  published_at=task.published_at)

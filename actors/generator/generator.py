@@ -34,6 +34,7 @@ import structlog
 
 from actors.engines.base import Engine, EngineAsleep, TaskError
 from queues.errors import one_line
+from queues.worker import heartbeat_every_s, reclaim_every_s
 from queues.messages import Event, PromptTask, RolloutGroup, codec
 
 log = structlog.get_logger("arctic_rl.generator")  # %-style calls format as in logging
@@ -132,7 +133,7 @@ class Generator:
                 try:
                     entries: list[tuple[str, bytes]] = []
                     if time.monotonic() >= next_reclaim:
-                        next_reclaim = time.monotonic() + max(0.5, self.reclaim_idle_ms / 4000)
+                        next_reclaim = time.monotonic() + reclaim_every_s(self.reclaim_idle_ms / 1000)
                         entries = [(e, d) for e, d in await prompts.reclaim(generator_id, self.reclaim_idle_ms, count=free)
                                    if e not in self._inflight]
                         self._m["tasks_reclaimed"] += len(entries)
@@ -158,13 +159,13 @@ class Generator:
 
     async def _heartbeat(self, prompts) -> None:
         """Resets the idle time of our in-flight tasks so no live peer reclaims them."""
-        period = max(0.2, self.reclaim_idle_ms / 3000)
+        period = heartbeat_every_s(self.reclaim_idle_ms / 1000)
         while True:
             await asyncio.sleep(period)
             ids = list(self._inflight)
             if ids:
                 try:
-                    await prompts.redis.xclaim(prompts.key, prompts.group, self.generator_id, 0, ids, justid=True)
+                    await prompts.touch(self.generator_id, ids)
                 except Exception as e:  # best effort: a missed heartbeat only risks duplicate work
                     log.warning("generator %s: heartbeat failed: %s", self.generator_id, one_line(e))
 

@@ -1,0 +1,145 @@
+"""queues/worker.py over a real redis-server: pending first, reclaim, heartbeat, ack after publish, stop."""
+import asyncio
+
+import pytest
+
+from queues.streams import Stream, connect
+from queues.worker import Worker
+
+
+async def _stream(url: str, run: str = "w") -> tuple:
+    redis = await connect(url)
+    s = Stream(redis, run, "rollouts", group="g")
+    await s.ensure_group()
+    return redis, s
+
+
+async def _pending(redis, s: Stream) -> dict[str, int]:
+    rows = await redis.xpending_range(s.key, s.group, min="-", max="+", count=100)
+    return {r["message_id"].decode(): r["consumer"].decode() for r in rows}
+
+
+async def _until(cond, timeout_s: float = 20.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if await cond():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+async def test_pending_first_after_restart(redis_url):
+    redis, s = await _stream(redis_url)
+    old = [await s.publish(f"old{i}".encode()) for i in range(2)]
+    assert len(await s.consume("c1", count=2)) == 2  # c1 held these when it "died"
+    await s.publish(b"new")
+    seen = []
+
+    async def handle(eid, data):
+        seen.append(data)
+
+    w = Worker(s, "c1", handle, concurrency=1, reclaim_idle_s=60)
+    task = asyncio.create_task(w.run())
+    await _until(lambda: asyncio.sleep(0, len(seen) == 3))
+    w.stop()
+    await asyncio.wait_for(task, 5)
+    assert seen == [b"old0", b"old1", b"new"]
+    assert await _pending(redis, s) == {}
+    assert old  # ids existed
+    await redis.aclose()
+
+
+async def test_reclaims_a_dead_consumers_entries(redis_url):
+    redis, s = await _stream(redis_url)
+    eid = await s.publish(b"orphan")
+    assert [e for e, _ in await s.consume("dead", count=1)] == [eid]
+    seen = []
+
+    async def handle(e, data):
+        seen.append(e)
+
+    w = Worker(s, "live", handle, reclaim_idle_s=0.3)
+    task = asyncio.create_task(w.run())
+    await _until(lambda: asyncio.sleep(0, seen == [eid]))
+    w.stop()
+    await asyncio.wait_for(task, 5)
+    assert w.reclaimed == 1
+    assert await _pending(redis, s) == {}
+    await redis.aclose()
+
+
+async def test_heartbeat_keeps_a_slow_entry_from_being_stolen(redis_url):
+    redis, s = await _stream(redis_url)
+    eid = await s.publish(b"slow")
+    release = asyncio.Event()
+    started = asyncio.Event()
+
+    async def slow(e, data):
+        started.set()
+        await release.wait()
+
+    stolen = []
+
+    async def thief_handle(e, data):
+        stolen.append(e)
+
+    owner = Worker(s, "owner", slow, reclaim_idle_s=0.4)
+    t1 = asyncio.create_task(owner.run())
+    await asyncio.wait_for(started.wait(), 10)
+    thief = Worker(s, "thief", thief_handle, reclaim_idle_s=0.4)
+    t2 = asyncio.create_task(thief.run())
+    # Many reclaim rounds of the thief (every 0.5 s) while the entry stays in flight on its owner,
+    # each one past the 0.4 s idle bound were it not for the heartbeat.
+    for _ in range(6):
+        await asyncio.sleep(0.5)
+        assert await _pending(redis, s) == {eid: "owner"}
+    release.set()
+    await _until(lambda: _empty(redis, s))
+    owner.stop(), thief.stop()
+    await asyncio.wait_for(asyncio.gather(t1, t2), 5)
+    assert stolen == [] and thief.reclaimed == 0
+    await redis.aclose()
+
+
+async def _empty(redis, s):
+    return await _pending(redis, s) == {}
+
+
+async def test_no_ack_before_publish_a_raising_handler_leaves_it_pending(redis_url):
+    redis, s = await _stream(redis_url)
+    eid = await s.publish(b"bad")
+
+    async def fails(e, data):
+        raise RuntimeError("could not publish")
+
+    w = Worker(s, "c1", fails, reclaim_idle_s=60, on_error="raise")
+    with pytest.raises(RuntimeError, match="could not publish"):
+        await asyncio.wait_for(w.run(), 10)
+    assert await _pending(redis, s) == {eid: "c1"}
+
+    w2 = Worker(s, "c2", fails, reclaim_idle_s=60, on_error="leave")  # logs, keeps consuming
+    eid2 = await s.publish(b"bad2")
+    task = asyncio.create_task(w2.run())
+    await _until(lambda: asyncio.sleep(0, w2.failed == 1))
+    w2.stop()
+    await asyncio.wait_for(task, 5)
+    assert await _pending(redis, s) == {eid: "c1", eid2: "c2"}
+    await redis.aclose()
+
+
+async def test_stop_is_bounded_and_leaves_unfinished_entries_pending(redis_url):
+    redis, s = await _stream(redis_url)
+    eid = await s.publish(b"endless")
+    started = asyncio.Event()
+
+    async def endless(e, data):
+        started.set()
+        await asyncio.Event().wait()
+
+    w = Worker(s, "c1", endless, reclaim_idle_s=60, block_ms=200, drain_s=0.2)
+    task = asyncio.create_task(w.run())
+    await asyncio.wait_for(started.wait(), 10)
+    w.stop()
+    await asyncio.wait_for(task, 5)  # drain bound, then cancelled
+    assert w.inflight == {}
+    assert await _pending(redis, s) == {eid: "c1"}
+    await redis.aclose()
