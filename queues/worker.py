@@ -14,9 +14,12 @@ Invariants:
 - A dead consumer's entries are reclaimed by a live one after `reclaim_idle_s`; a live consumer's
   in-flight entries are kept fresh by the heartbeat (period reclaim_idle_s / 3), so they are not.
 - One entry is never handled twice at once by the same worker (a reclaim of our own entry is skipped).
-- Every wait is bounded: reads block at most `block_ms`, `stop()` ends `run()` within the read
-  bound, and with `drain_s` the entries in flight get at most that long to finish (then cancelled,
-  left pending).
+- Every wait is bounded: reads block at most `block_ms`, `stop()` ends intake within the read
+  bound, and the entries in flight then get `drain_s` to finish (then cancelled, left pending);
+  `drain_s=None` waits for them, for a handler that bounds itself (the generator: the engine's
+  max_tokens, and its pause timeout's abort).
+- `pulling` is True while a read is under way, and what a read returns is spawned before it drops,
+  so "not pulling and nothing in flight" means nothing taken is unhandled (the generator's pause).
 - `on_error="raise"` ends `run()` with a handler's exception (Ray restarts the actor);
   `on_error="leave"` logs it and leaves the entry pending for a reclaim.
 """
@@ -48,8 +51,8 @@ class Worker:
 
     def __init__(self, stream, consumer: str, handle: Handler, *, concurrency: int = 8,
                  reclaim_idle_s: float = 30.0, block_ms: int = 200, heartbeat: bool = True,
-                 on_error: str = "raise", drain_s: float = 0.0,
-                 may_pull: Callable[[], bool] | None = None):
+                 on_error: str = "raise", drain_s: float | None = 0.0, read_count: int = 64,
+                 may_pull: Callable[[], bool] | None = None, on_change: Callable[[], None] | None = None):
         if on_error not in ("raise", "leave"):
             raise ValueError(f"on_error must be 'raise' or 'leave', got {on_error!r}")
         self.stream = stream
@@ -62,7 +65,10 @@ class Worker:
         self.heartbeat = heartbeat
         self.on_error = on_error
         self.drain_s = drain_s
+        self.read_count = max(1, int(read_count))
         self.may_pull = may_pull  # e.g. the generator's pause: no intake while it says False
+        self.on_change = on_change  # called when `pulling` or `inflight` changes (the generator's pause waits on it)
+        self.pulling = False  # a read is under way: what it returns is spawned before `pulling` drops
         self.inflight: dict[str, asyncio.Task] = {}
         self.reclaimed = 0
         self.handled = 0
@@ -101,24 +107,26 @@ class Worker:
                     await self._wait_change(1.0)
                     continue
                 entries: list[tuple[str, bytes]] = []
-                if backlog:
-                    entries, backlog = backlog[:free], backlog[free:]
-                else:
-                    if time.monotonic() >= next_reclaim:
-                        next_reclaim = time.monotonic() + reclaim_every_s(self.reclaim_idle_s)
-                        got = [(e, d) for e, d in await self.stream.reclaim(self.consumer, self.reclaim_idle_ms, count=free)
-                               if e not in self.inflight]
-                        self.reclaimed += len(got)
-                        entries = got
-                    if not entries:
-                        entries = await self.stream.consume(
-                            self.consumer, count=free, block_ms=min(self.block_ms, 50) if self.inflight else self.block_ms)
-                for eid, data in entries:
-                    if self._stop.is_set() and self.drain_s <= 0:
-                        break  # not started: stays pending on us, taken first after a restart
-                    self._spawn(eid, data, failure)
+                self._set_pulling(True)
+                try:
+                    if backlog:
+                        entries, backlog = backlog[:free], backlog[free:]
+                    else:
+                        if time.monotonic() >= next_reclaim:
+                            next_reclaim = time.monotonic() + reclaim_every_s(self.reclaim_idle_s)
+                            got = [(e, d) for e, d in await self.stream.reclaim(self.consumer, self.reclaim_idle_ms, count=free)
+                                   if e not in self.inflight]
+                            self.reclaimed += len(got)
+                            entries = got
+                        if not entries:
+                            entries = await self.stream.consume(self.consumer, count=min(free, self.read_count),
+                                                                block_ms=self.block_ms)
+                    for eid, data in entries:
+                        self._spawn(eid, data, failure)  # after a stop too: taken, so handled (or left pending)
+                finally:
+                    self._set_pulling(False)
             self._raise_failures(failure)
-            if self.drain_s > 0 and self.inflight:
+            if self.inflight and (self.drain_s is None or self.drain_s > 0):
                 await asyncio.wait(list(self.inflight.values()), timeout=self.drain_s)
             self._raise_failures(failure)
         finally:
@@ -138,10 +146,20 @@ class Worker:
         except asyncio.TimeoutError:
             pass
 
+    def _changed_now(self) -> None:
+        self._changed.set()
+        if self.on_change is not None:
+            self.on_change()
+
+    def _set_pulling(self, value: bool) -> None:
+        self.pulling = value
+        self._changed_now()
+
     def _spawn(self, eid: str, data: bytes, failure: list[BaseException]) -> None:
         if eid in self.inflight:
             return
         self.inflight[eid] = asyncio.create_task(self._one(eid, data, failure))
+        self._changed_now()
 
     async def _one(self, eid: str, data: bytes, failure: list[BaseException]) -> None:
         try:
@@ -158,7 +176,7 @@ class Worker:
                 log.error("%s %s: %s left pending: %s", self.stream.key, self.consumer, eid, one_line(e))
         finally:
             self.inflight.pop(eid, None)
-            self._changed.set()
+            self._changed_now()
 
     async def _heartbeat(self) -> None:
         """Resets the idle time of our in-flight entries so no live peer reclaims them."""

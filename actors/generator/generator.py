@@ -6,8 +6,9 @@ Invariants:
   Up to `max_inflight_prompts` requests are in flight at once.
 - A task is acked on "prompts" only after its group is published, so a generator that dies
   mid-task leaves it pending; live generators reclaim (XAUTOCLAIM) tasks idle longer than
-  `reclaim_idle_s`. A live generator keeps its own in-flight tasks fresh (XCLAIM heartbeat) so
-  they are not stolen while it still works on them.
+  `reclaim_idle_s`. A live generator keeps its own in-flight tasks fresh (heartbeat) so
+  they are not stolen while it still works on them. All three are the one consumer loop's
+  (queues/worker.py).
 - Every task yields exactly one group: a task that cannot be generated (undecodable bytes,
   empty or over-length prompt, n < 1, bad sampling override, decode failure) gets a group
   with a one-line `error` and no samples, and the generator keeps serving.
@@ -34,7 +35,6 @@ import structlog
 
 from actors.engines.base import Engine, EngineAsleep, TaskError
 from queues.errors import one_line
-from queues.worker import heartbeat_every_s, reclaim_every_s
 from queues.messages import Event, PromptTask, RolloutGroup, codec
 
 log = structlog.get_logger("arctic_rl.generator")  # %-style calls format as in logging
@@ -55,10 +55,9 @@ class Generator:
         self.stream_high_water = stream_high_water
         self.consume_block_ms = consume_block_ms
         self.generator_id = ""
-        self._inflight: dict[str, asyncio.Task] = {}  # prompts-stream entry id -> serving task
+        self._worker = None  # queues.worker.Worker over the prompts stream, while run() runs
         self._paused = False
         self._stop = False
-        self._pulling = False
         self._events = None
         self._loop_bound: asyncio.AbstractEventLoop | None = None
         self._interrupted = False  # the engine holds requests parked by pause(interrupt=True)
@@ -103,8 +102,13 @@ class Generator:
     # -- the loop ----------------------------------------------------------------------------
 
     async def run(self, redis_url: str, run_id: str, generator_id: str) -> None:
-        """Serves tasks until stop(); raises RedisUnavailable if Redis goes away for good."""
+        """Serves tasks until stop(); raises RedisUnavailable if Redis goes away for good.
+
+        The prompts stream is read by the one consumer loop (queues.worker.Worker): this consumer's
+        own pending tasks first, reclaim of a dead peer's, a heartbeat over the tasks in flight here,
+        ack after the group (and its "generated" event) is published; no intake while paused."""
         from queues.streams import Stream, connect
+        from queues.worker import Worker
 
         self._bind()
         self.generator_id = generator_id
@@ -114,81 +118,39 @@ class Generator:
         rollouts = Stream(redis, run_id, "rollouts", high_water=self.stream_high_water)
         # "generated" notices let the coordinator sleep the engines the moment a step is done.
         self._events = Stream(redis, run_id, "events", high_water=0)
-        await prompts.ensure_group()
-        heartbeat = asyncio.create_task(self._heartbeat(prompts))
-        next_reclaim = 0.0
+        # A failed publish (Redis gone past its retry budget) is logged and leaves the task pending for
+        # a reclaim; stop() waits for what is in flight (drain_s=None: the engine bounds a request).
+        self._worker = Worker(prompts, generator_id, lambda eid, data: self._serve(data, rollouts),
+                              concurrency=self.max_inflight, reclaim_idle_s=self.reclaim_idle_ms / 1000,
+                              block_ms=self.consume_block_ms, on_error="leave", drain_s=None, read_count=32,
+                              may_pull=lambda: not self._paused, on_change=self._notify)
         try:
-            # Tasks this consumer held before a restart come first.
-            for eid, data in await prompts.pending_mine(generator_id, count=self.max_inflight):
-                self._spawn(eid, data, prompts, rollouts)
-            while not self._stop:
-                if self._paused:
-                    await self._resumed.wait()
-                    continue
-                free = self.max_inflight - len(self._inflight)
-                if free <= 0:
-                    await self._wait_until(lambda: len(self._inflight) < self.max_inflight or self._stop or self._paused)
-                    continue
-                self._pulling = True
-                try:
-                    entries: list[tuple[str, bytes]] = []
-                    if time.monotonic() >= next_reclaim:
-                        next_reclaim = time.monotonic() + reclaim_every_s(self.reclaim_idle_ms / 1000)
-                        entries = [(e, d) for e, d in await prompts.reclaim(generator_id, self.reclaim_idle_ms, count=free)
-                                   if e not in self._inflight]
-                        self._m["tasks_reclaimed"] += len(entries)
-                    if not entries:
-                        entries = await prompts.consume(generator_id, count=min(free, 32), block_ms=self.consume_block_ms)
-                finally:
-                    self._pulling = False
-                    self._notify()
-                for eid, data in entries:
-                    self._spawn(eid, data, prompts, rollouts)
-            await self._wait_until(lambda: not self._inflight)
+            await self._worker.run()
         finally:
-            heartbeat.cancel()
-            for t in list(self._inflight.values()):
-                t.cancel()
+            self._m["tasks_reclaimed"] += self._worker.reclaimed
+            self._worker = None
             await redis.aclose()
 
-    def _spawn(self, eid: str, data: bytes, prompts, rollouts) -> None:
-        if eid in self._inflight:
-            return
-        self._inflight[eid] = asyncio.create_task(self._serve(eid, data, prompts, rollouts))
-        self._notify()
+    @property
+    def _inflight(self) -> dict[str, asyncio.Task]:
+        """prompts-stream entry id -> serving task (the consumer loop's)."""
+        return self._worker.inflight if self._worker is not None else {}
 
-    async def _heartbeat(self, prompts) -> None:
-        """Resets the idle time of our in-flight tasks so no live peer reclaims them."""
-        period = heartbeat_every_s(self.reclaim_idle_ms / 1000)
-        while True:
-            await asyncio.sleep(period)
-            ids = list(self._inflight)
-            if ids:
-                try:
-                    await prompts.touch(self.generator_id, ids)
-                except Exception as e:  # best effort: a missed heartbeat only risks duplicate work
-                    log.warning("generator %s: heartbeat failed: %s", self.generator_id, one_line(e))
+    @property
+    def _pulling(self) -> bool:
+        return self._worker is not None and self._worker.pulling
 
-    async def _serve(self, eid: str, data: bytes, prompts, rollouts) -> None:
-        try:
-            group = await self.generate_one(data)
-            group.published_at = time.time()
-            await rollouts.publish(codec(RolloutGroup).encode(group))
-            # The event goes out before the ack: a crash between the two redoes the task (a
-            # duplicate the assembler ignores) instead of losing the event the coordinator awaits.
-            if self._events is not None:
-                await self._events.publish(codec(Event).encode(Event(
-                    kind="generated", source=self.generator_id, step=group.task.step, task_id=group.task.task_id,
-                    prompt_id=group.task.prompt_id, at=group.published_at)), wait=False)
-            await prompts.ack([eid])
-            self._count(group)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # Redis gone past its retry budget: leave the task pending for reclaim
-            log.error("generator %s: could not publish/ack %s: %s", self.generator_id, eid, one_line(e))
-        finally:
-            self._inflight.pop(eid, None)
-            self._notify()
+    async def _serve(self, data: bytes, rollouts) -> None:
+        group = await self.generate_one(data)
+        group.published_at = time.time()
+        await rollouts.publish(codec(RolloutGroup).encode(group))
+        # The event goes out before the ack: a crash between the two redoes the task (a
+        # duplicate the assembler ignores) instead of losing the event the coordinator awaits.
+        if self._events is not None:
+            await self._events.publish(codec(Event).encode(Event(
+                kind="generated", source=self.generator_id, step=group.task.step, task_id=group.task.task_id,
+                prompt_id=group.task.prompt_id, at=group.published_at)), wait=False)
+        self._count(group)
 
     async def generate_one(self, data: bytes | PromptTask) -> RolloutGroup:
         """One task (bytes off the stream, or a PromptTask) -> its group; never raises for a bad task."""
@@ -302,6 +264,8 @@ class Generator:
         self._paused = False
         self._resumed.set()
         self._notify()
+        if self._worker is not None:
+            self._worker.wake()
 
     def stop(self) -> None:
         """run() returns after its in-flight tasks are published (parked ones continue first)."""
@@ -310,6 +274,8 @@ class Generator:
         self._stop = True
         self._resumed.set()
         self._notify()
+        if self._worker is not None:
+            self._worker.stop()
 
     def abort(self) -> None:
         self.engine.abort()
@@ -342,7 +308,7 @@ class Generator:
         out = {
             "generator_groups_published": float(m["groups_published"]),
             "generator_error_groups": float(m["error_groups"]),
-            "generator_tasks_reclaimed": float(m["tasks_reclaimed"]),
+            "generator_tasks_reclaimed": float(m["tasks_reclaimed"] + (self._worker.reclaimed if self._worker else 0)),
             "generator_inflight_prompts": float(len(self._inflight)),
             "generator_paused": float(self._paused),
             "generator_tokens": float(m["tokens"]),
