@@ -29,7 +29,7 @@ import msgspec
 import structlog
 
 from config import ScorerConfig
-from policies.sql_reward import BAD_DB_PATH, GENERATION_ERROR, reward_for
+from policies.sql_reward import BAD_DB_PATH, GENERATION_ERROR, extract_sql, reward_for, shaped_reward
 from queues.messages import RolloutGroup, SchemaError, ScoredGroup, codec
 from tasks.sandbox import GoldCache, SqlPool, score_group
 
@@ -76,6 +76,11 @@ class Scorer:
             result = await score_group(self.pool, group.task.db_path, group.task.gold_sql, texts, self.gold_cache,
                                        answers=answers)
             verdicts, rewards, gold_failed = result.verdicts, result.rewards, result.gold_failed
+            weights = (self.cfg.reward_syntax, self.cfg.reward_schema_linking, self.cfg.reward_format)
+            if any(weights) and not gold_failed:  # the partial terms (all 0: the rewards above exactly)
+                preds = [a if a is not None else extract_sql(t) for a, t in zip(answers, texts)]
+                rewards = [shaped_reward(v, t, p, group.task.gold_sql, *weights)
+                           for v, t, p in zip(verdicts, texts, preds)]
             self.pred_queries += result.executed
             if episodes and not gold_failed:  # what the first query would have earned (revision_gain)
                 firsts = [s.queries[0] if s.queries else s.answer for s in group.samples]

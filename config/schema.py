@@ -124,6 +124,10 @@ class ScorerConfig(_Section):
     memory_mb: int = 2048  # address-space limit per worker process
     temp_store_mb: int = 256  # in-memory temp storage cap per connection
     gold_cache_size: int = 4096
+    # Partial reward terms (policies/sql_reward.shaped_reward), each a weight in [0, 1]; 0 (default): off.
+    reward_syntax: float = 0.0  # the SQL parsed and ran (any result)
+    reward_schema_linking: float = 0.0  # F1 of the names it uses against the gold SQL's
+    reward_format: float = 0.0  # the answer sits in a ```sql block
     num_cpus: float = 0.25
 
 

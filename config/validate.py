@@ -128,6 +128,8 @@ def check(cfg: RunConfig) -> None:
     need(cfg.assembler.minibatches_per_step >= 1, "assembler.minibatches_per_step", "must be >= 1")
     need(cfg.scorer.workers >= 1, "scorer.workers", "must be >= 1")
     need(cfg.cluster.max_relaunches >= 0, "cluster.max_relaunches", "must be >= 0")
+    for term in ("reward_syntax", "reward_schema_linking", "reward_format"):
+        need(0 <= getattr(cfg.scorer, term) <= 1, f"scorer.{term}", "must be in [0, 1] (0: off)")
     need(cfg.scorer.timeout_s > 0, "scorer.timeout_s", "must be > 0")
     need(cfg.generator.pause_timeout_s > 0, "generator.pause_timeout_s", "must be > 0")
     if cfg.learner.correction in ("mis", "mis_seq"):

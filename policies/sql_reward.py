@@ -4,6 +4,9 @@ Invariants:
 - Pure functions, no IO: the sandbox executes, this module only judges.
 - Every sample gets exactly one verdict from VERDICTS, and its reward is `reward_for(verdict)`:
   1.0 for a match, 0.1 for SQL that ran but returned different rows, 0.0 for everything else.
+  `shaped_reward` adds the weighted partial terms (scorer.reward_syntax / reward_schema_linking /
+  reward_format, all 0 by default: then it is reward_for exactly); a wrong answer never outscores a
+  right one, whatever the weights.
 - Result comparison is BIRD's rule, set(pred_rows) == set(gold_rows): row order and duplicate
   rows are ignored, column order is not (rows are tuples).
 """
@@ -102,3 +105,49 @@ def verdict_for(pred_status: str, pred_rows, gold_status: str, gold_rows) -> str
     if pred_status == "ok":
         return MATCH if compare_results(pred_rows, gold_rows) else WRONG_RESULT
     return {"error": SQL_ERROR, "timeout": TIMEOUT, "too_many_rows": TOO_MANY_ROWS}.get(pred_status, SQL_ERROR)
+
+
+# ---------------------------------------------------------------- partial reward terms (scorer.reward_*)
+# Syntax validity and schema linking (Reasoning-SQL, arXiv 2503.23157; Think2SQL, arXiv 2504.15077) and a
+# format term. Guard: a MATCH earns every term at its maximum, so no wrong answer (base <= 0.1 plus terms)
+# outscores a right one (base 1.0 plus the same maxima). With every weight 0 the reward is reward_for's.
+_PARSED = (MATCH, WRONG_RESULT, TOO_MANY_ROWS, TIMEOUT)  # SQLite accepted the statement
+_STRING = re.compile(r"'(?:[^']|'')*'")
+_IDENT = re.compile(r'"([^"]+)"|`([^`]+)`|\[([^\]]+)\]|\b([A-Za-z_][A-Za-z0-9_]*)\b')
+_SQL_WORDS = frozenset("""select from where and or not in is null like between join inner left right outer full
+cross on using group by order having limit offset as distinct all union intersect except case when then else end
+asc desc with exists cast count sum avg min max round abs length substr substring upper lower ifnull coalesce
+strftime date datetime julianday iif instr replace trim integer real text over partition glob escape collate
+nocase true false recursive values natural""".split())
+
+
+def sql_identifiers(sql: str) -> set[str]:
+    """The lower-cased names an SQL statement uses (tables, columns, aliases): quoted names kept whole,
+    string literals and SQL keywords / common functions dropped."""
+    names = set()
+    for m in _IDENT.finditer(_STRING.sub(" ", sql)):
+        quoted = m.group(1) or m.group(2) or m.group(3)
+        word = (quoted or m.group(4)).lower()
+        if quoted or word not in _SQL_WORDS:
+            names.add(word)
+    return names
+
+
+def schema_linking_f1(pred_sql: str | None, gold_sql: str) -> float:
+    """F1 of the names the predicted SQL uses against those the gold SQL uses (0 without a prediction)."""
+    if not pred_sql:
+        return 0.0
+    pred, gold = sql_identifiers(pred_sql), sql_identifiers(gold_sql)
+    hit = len(pred & gold)
+    return 0.0 if not hit else 2 * hit / (len(pred) + len(gold))
+
+
+def shaped_reward(verdict: str, text: str, pred_sql: str | None, gold_sql: str, syntax: float = 0.0,
+                  schema: float = 0.0, fmt: float = 0.0) -> float:
+    """reward_for(verdict) + syntax [the SQL parsed] + schema F1(names) + fmt [a ```sql block], each term
+    times its weight; a MATCH gets every term at 1 (the guard above)."""
+    base = reward_for(verdict)
+    if verdict == MATCH:
+        return base + syntax + schema + fmt
+    return (base + syntax * (verdict in _PARSED) + schema * schema_linking_f1(pred_sql, gold_sql)
+            + fmt * (_SQL_FENCE.search(text or "") is not None))
