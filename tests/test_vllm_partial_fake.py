@@ -196,6 +196,7 @@ async def test_fake_vllm_episode_interrupted_inside_the_close_tag_continues_and_
     assert eng.llm.prompts[1] == prompt + turn1[:len(turn1) - close + 2] and len(eng.llm.prompts) == 3
     assert ids == turn1 + obs + turn2 and tok.decode(obs).strip().startswith("<observation>")
     assert (s.turns, s.queries, s.answer, s.finish_reason) == (2, [q.sql], q.sql, "stop")
+    assert s.text.startswith("<sql>" + q.sql + "</sql>" + ep.OBS_OPEN) and "then more" not in s.text  # the transcript
     k = len(turn1) - close + 2
     assert versions == [0] * k + [1] * (len(ids) - k) and group.policy_version == 0
     assert lps[:k] == pytest.approx([-0.1] * k) and lps[len(turn1):len(turn1) + len(obs)] == [0.0] * len(obs)

@@ -11,6 +11,8 @@ Invariants:
   whose log-probs are 0.0; `versions` gives observation ids the version of the turn before them.
 - A turn ends at its first tool-block close tag even where the engine missed that stop string (vLLM
   partial rollouts: a tag straddling the resubmission point); the ids sampled past it are dropped.
+- A sample's `text` is the transcript: each turn's kept ids decoded (with the close tag an engine cuts from
+  its own text) and each observation block.
 - An interrupted turn (partial rollouts) continues inside the engine under the new weights at its next
   token; the runner sees one turn whose `versions` change mid-way.
 - The response budget (`max_tokens`) counts every id after the prompt, observations included.
@@ -86,7 +88,7 @@ class EpisodeRunner:
             mask += [1] * len(new)
             versions += v
             turn_text = self.tokenizer.decode(new, skip_special_tokens=True)
-            texts.append(s.text)
+            texts.append(turn_text)  # the kept ids decoded: keeps the close tag an engine cuts from its text
             if finish == "abort":
                 break
             sql = ep.tool_query(turn_text) if finish == "stop" else None
