@@ -15,7 +15,17 @@ def _batch(seed=0, samples=6, spread=0.4):
     return lp, old, adv, mask, gen
 
 
-def _reference(objective, agg, lp, old, adv, mask, gen, clip_low, clip_high, tis_cap, norm_tokens):
+def _is_weight(old, gen, correction, cap):
+    """The behaviour-policy weight of policies.offpolicy by its definition: TIS truncates, MIS zeroes."""
+    r = math.exp(old - gen)
+    if correction == "tis":
+        return min(r, cap)
+    if correction == "mis":
+        return 0.0 if r < 1 / cap or r > cap else r
+    return 1.0
+
+
+def _reference(objective, agg, lp, old, adv, mask, gen, clip_low, clip_high, correction, norm_tokens, cap=2.0):
     """Per sample, per token, float64, straight from the formulas in policies/objectives.py's docstrings."""
     seqs = []
     for i in range(lp.shape[0]):
@@ -33,8 +43,7 @@ def _reference(objective, agg, lp, old, adv, mask, gen, clip_low, clip_high, tis
             else:  # cispo: -sg(clip(r)) * A * log pi, its value shifted to -w A (same gradient)
                 w = min(max(float(r.detach()), 1 - clip_low), 1 + clip_high)
                 terms.append(-w * a * (lp[i, t] - float(lp[i, t])) - w * a)
-        if tis_cap > 0:
-            terms = [x * min(math.exp(float(old[i, t]) - float(gen[i, t])), tis_cap) for x, t in zip(terms, toks)]
+        terms = [x * _is_weight(float(old[i, t]), float(gen[i, t]), correction, cap) for x, t in zip(terms, toks)]
         seqs.append(terms)
     if agg == "token-mean":
         flat = [x for s in seqs for x in s]
@@ -46,21 +55,23 @@ def _reference(objective, agg, lp, old, adv, mask, gen, clip_low, clip_high, tis
 
 @pytest.mark.parametrize("objective", ["ppo_clip", "gspo", "cispo"])
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-@pytest.mark.parametrize("tis_cap", [0.0, 2.0])
-def test_loss_and_gradient_equal_float64_reference(objective, agg, tis_cap):
+@pytest.mark.parametrize("correction", ["off", "tis", "mis"])
+def test_loss_and_gradient_equal_float64_reference(objective, agg, correction):
     lp, old, adv, mask, gen = _batch()
     clip_low, clip_high = (0.05, 0.08) if objective == "gspo" else (0.2, 0.28)
     x = lp.clone().requires_grad_(True)
     loss, m = policy_loss(x, old, adv, mask, clip_low=clip_low, clip_high=clip_high, agg=agg, gen_logprobs=gen,
-                          tis_cap=tis_cap, objective=objective, norm_tokens=16.0)
+                          correction=correction, is_cap=1.3, objective=objective, norm_tokens=16.0)
     loss.backward()
     x64 = lp.double().clone().requires_grad_(True)
-    expect = _reference(objective, agg, x64, old, adv, mask, gen, clip_low, clip_high, tis_cap, 16.0)
+    expect = _reference(objective, agg, x64, old, adv, mask, gen, clip_low, clip_high, correction, 16.0, cap=1.3)
     expect.backward()
     assert float(loss.detach()) == pytest.approx(float(expect.detach()), rel=1e-5, abs=1e-6)
     assert torch.allclose(x.grad.double(), torch.nan_to_num(x64.grad), rtol=1e-4, atol=1e-6)
     assert x.grad[~mask].abs().sum() == 0
     assert 0 < m["clipfrac"] < 1  # the batch exercises the clip (and leaves some tokens unclipped)
+    if correction != "off":  # and the correction: some weights truncated (tis) or tokens dropped (mis)
+        assert m["is_truncated_frac" if correction == "tis" else "is_masked_frac"] > 0
     assert all(type(v) is float for v in m.values())
 
 
