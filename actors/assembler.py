@@ -42,7 +42,7 @@ from policies.overlong import shape
 from policies.packing import plan_micro_batches, split_minibatches
 from policies.prefix import plan_group_micro_batches
 from queues.messages import (ScoredGroup, TrainBatch, TrainGroup, codec, oldest_version, sample_versions,  # noqa: F401
-                            task_step, unpack_loss_mask)  # task_step: re-exported (it lives in queues.messages)
+                            task_step)  # task_step: re-exported (it lives in queues.messages)
 
 log = structlog.get_logger("arctic_rl.assembler")
 
@@ -65,19 +65,12 @@ def admit(group: ScoredGroup, version: int, cfg: AssemblerConfig) -> str:
     return TRAINED
 
 
-def model_tokens(sample) -> int:
-    """A sample's model tokens: its loss mask's 1s (an episode's observations excluded), else all its tokens."""
-    n = len(sample.tokens) // 4
-    m = unpack_loss_mask(sample.loss_mask, n)
-    return n if m is None else int(m.sum())
-
-
 def apply_overlong(group: ScoredGroup, cfg: AssemblerConfig) -> tuple[ScoredGroup, list[bool], dict[str, float]]:
     """(the group with shaped rewards, keep per sample, counts) under cfg.overlong (pure)."""
     samples = group.rollout.samples
     if cfg.overlong == "none" or group.rollout.error or not samples:
         return group, [True] * len(samples), {}
-    rewards, keep, counts = shape(group.rewards, [model_tokens(s) for s in samples],
+    rewards, keep, counts = shape(group.rewards, [len(s.tokens) // 4 for s in samples],
                                   [s.finish_reason == "length" for s in samples], cfg.overlong,
                                   cfg.max_tokens, cfg.overlong_buffer)
     return msgspec.structs.replace(group, rewards=rewards), keep, counts

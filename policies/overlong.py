@@ -6,15 +6,15 @@
       R_len(L) = 0                          if L <= L_max - L_cache
                = ((L_max - L_cache) - L) / L_cache   if L_max - L_cache < L <= L_max
                = -1                         if L > L_max,
-  with L the sample's model tokens, L_max the generator's max_tokens and L_cache assembler.overlong_buffer.
+  with L the sample's tokens, L_max the generator's max_tokens and L_cache assembler.overlong_buffer.
 - "filter": DAPO's overlong filtering: a truncated sample (finish_reason "length") keeps its place in its
   group's advantages but is cut from the batch, so it adds nothing to the loss or its normalisers.
 
 Invariants:
 - "none" returns the rewards unchanged and keeps every sample.
 - The penalty is in [-1, 0], 0 below the buffer and monotone non-increasing in L.
-- A sample's length L is its model tokens: with a loss mask (a multi-turn episode) the count of 1s,
-  observation tokens excluded.
+- A sample's length L counts what the generator's max_tokens budget counts: every id after the prompt,
+  a multi-turn episode's observation tokens included (actors/generator/episode.py).
 """
 from __future__ import annotations
 

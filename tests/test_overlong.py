@@ -62,15 +62,15 @@ def test_filter_cuts_truncated_samples_after_the_advantages():
     assert admit(_group([8, 8], [1.0, 0.0], [True, True]), 0, cfg) == FILTERED  # nothing left to train
 
 
-def test_soft_penalty_gives_equal_rewards_a_signal_and_counts_model_tokens_only():
+def test_soft_penalty_gives_equal_rewards_a_signal_and_counts_the_budget_s_tokens():
     cfg = AssemblerConfig(overlong="soft_penalty", max_tokens=8, overlong_buffer=4)
     g = _group([3, 8], [1.0, 1.0], [False, True])
     assert admit(g, 0, cfg) == FILTERED  # as scored: zero variance
     shaped, _, _ = apply_overlong(g, cfg)
     assert shaped.rewards == [1.0, 0.0] and admit(shaped, 0, cfg) == TRAINED
     ep = _group([8, 3], [1.0, 1.0], [False, False])
-    ep.rollout.samples[0].loss_mask = pack_ids([1, 1, 0, 0, 0, 0, 1, 1])  # 4 observation tokens: 4 model tokens
-    assert apply_overlong(ep, cfg)[0].rewards == [1.0, 1.0]
+    ep.rollout.samples[0].loss_mask = pack_ids([1, 1, 0, 0, 0, 0, 1, 1])  # observations count against max_tokens
+    assert apply_overlong(ep, cfg)[0].rewards == [0.0, 1.0]
 
 
 def test_config_resolves_the_buffer_and_refuses_bad_values():
