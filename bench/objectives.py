@@ -57,7 +57,8 @@ def table(results: dict) -> str:
         runs = [results.get(f"{name}-s{s}", {}) for s in SEEDS]
         done = [r["evals"] for r in runs if r.get("evals")]
         if not done:
-            lines.append(f"| {name} | 0/{len(SEEDS)} | - | - | - |")
+            rcs = ", ".join(f"rc {r.get('rc')}" for r in runs)
+            lines.append(f"| {name} | 0/{len(SEEDS)} ({rcs}; see its .console) | - | - | - |")
             continue
         first = sum(e[0][1] for e in done) / len(done)
         last = sum(e[-1][1] for e in done) / len(done)
@@ -75,6 +76,8 @@ def plot(results: dict) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return
+    if not any(r.get("evals") for r in results.values()):
         return
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for name in CHOSEN:
