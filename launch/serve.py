@@ -6,7 +6,9 @@
 Routes: `POST /v1/sql` {"question", "db_id", "evidence"?, "execute"?, "max_turns"?} -> the SQL (and with execute the
 rows, row-capped, or a verdict-style error) and timings; `POST /v1/execute` {"db_id", "sql"} runs SQL
 only; `GET /v1/databases` the db_ids with their tables and columns; `GET /v1/stats` this replica's
-counters; `GET /healthz`; `GET /` a page to try it by hand (launch/serve_page.py).
+counters; `GET /healthz`; `GET /` a page to try it by hand (launch/serve_page.py); the OpenAI-compatible
+`GET /v1/models` and `POST /v1/chat/completions` (launch/serve_openai.py). Result rows come with
+their `columns`.
 
 Invariants:
 - Prompts are the training prompts: the export's arctic_rl.json says how to render them (style, schema
@@ -16,124 +18,44 @@ Invariants:
 - SQL runs only in the sandbox (tasks/sandbox.py: read-only, time-, row- and memory-limited, in
   worker processes); a request can name a database only by db_id, never by path.
 - Bad input is a 4xx with {"error": "<one line naming the field>"}: 400 bad JSON, 413 a body over the
-  cap, 422 a missing or ill-typed field or an over-long question/prompt, 404 an unknown db_id. An
+  cap, 422 a missing or ill-typed field or an over-long question/prompt, 404 an unknown db_id or route,
+  405 a wrong method. An
   unexpected failure is a 500 with one line, never a traceback. Every wait is bounded (generation by
   --request-timeout, SQL by the sandbox's deadline, start-up by --start-timeout).
 - The HTTP proxy binds 127.0.0.1 unless --host says otherwise; a new local Ray cluster is always
-  our own (address="local", its own temp dir).
+  our own (address="local", its own temp dir) and listens on loopback. A taken port is one line and
+  exit 2 before Ray starts; Ctrl-C or SIGTERM at any moment leaves no Ray process, agent or temp dir
+  (launch/serve_life.py).
 """
 
 import argparse
 import asyncio
 import itertools
-import json
-import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from launch.serve_http import (  # noqa: F401  (re-exported: tests and callers import them from here)
+    MAX_BODY_BYTES,
+    RequestError,
+    ServeOptions,
+    _error,
+    field_of,
+    find_databases,
+    json_value,
+    read_json,
+)
 from observe.logs import setup_actor_logging
 
 APP_NAME = "arl-sql"
-MAX_BODY_BYTES = 64 * 1024
-
-
-@dataclass
-class ServeOptions:
-    model: str
-    bird_dir: str
-    split: str = "dev"
-    engine: str = ""  # "" -> vllm with a GPU, transformers otherwise
-    device: str = "auto"
-    max_batch_size: int = 8  # requests per @serve.batch call (1: no batching)
-    batch_wait_s: float = 0.02
-    max_tokens: int = 0  # 0: the export's
-    max_question_chars: int = 2000
-    max_evidence_chars: int = 4000
-    request_timeout_s: float = 120.0
-    sql_timeout_s: float = 10.0
-    sql_workers: int = 2
-    sql_max_rows: int = 10_000  # more is the verdict too_many_rows
-    return_rows: int = 200  # rows sent back (row_count says how many there were)
-    engine_kwargs: dict = field(default_factory=dict)
-
-
-class RequestError(Exception):
-    """A request the service answers with `status` and {"error": reason} (one line)."""
-
-    def __init__(self, status: int, reason: str):
-        super().__init__(reason)
-        self.status, self.reason = status, reason
-
-
-def find_databases(bird_dir: str | Path, split: str) -> dict[str, str]:
-    """{db_id: sqlite path} of <bird_dir>/<split>_databases/<db_id>/<db_id>.sqlite (ValueError, one line)."""
-    from tasks.bird import database_path
-
-    root = Path(bird_dir) / f"{split}_databases"
-    if not root.is_dir():
-        raise ValueError(f"databases directory not found: {root} (--bird-dir / --split)")
-    dbs = {p.name: str(database_path(bird_dir, split, p.name).resolve()) for p in sorted(root.iterdir())
-           if database_path(bird_dir, split, p.name).is_file()}
-    if not dbs:
-        raise ValueError(f"no <db_id>/<db_id>.sqlite under {root}")
-    return dbs
-
-
-def field_of(body: Any, name: str, kind: type, required: bool = True, max_chars: int = 0) -> Any:
-    """One checked field of a request body (RequestError 422 naming it)."""
-    if name not in body or body[name] is None:
-        if required:
-            raise RequestError(422, f"missing field {name!r}")
-        return None
-    value = body[name]
-    if kind is bool and not isinstance(value, bool) or kind is str and not isinstance(value, str):
-        raise RequestError(422, f"field {name!r} must be a {'boolean' if kind is bool else 'string'}, got {type(value).__name__}")
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise RequestError(422, f"field {name!r} must be an integer, got {type(value).__name__}")
-    if kind is str:
-        value = value.strip()
-        if required and not value:
-            raise RequestError(422, f"field {name!r} is empty")
-        if max_chars and len(value) > max_chars:
-            raise RequestError(422, f"field {name!r} is {len(value)} characters, the limit is {max_chars}")
-    return value
-
-
-async def read_json(request: Request) -> dict:
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise RequestError(413, f"body is {declared} bytes, the limit is {MAX_BODY_BYTES}")
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise RequestError(413, f"body is {len(raw)} bytes, the limit is {MAX_BODY_BYTES}")
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise RequestError(400, f"body is not valid JSON ({str(e).splitlines()[0]})") from None
-    if not isinstance(body, dict):
-        raise RequestError(400, f"body must be a JSON object, got {type(body).__name__}")
-    return body
-
-
-def json_value(v: Any) -> Any:
-    """A SQLite value as JSON can carry it (bytes as hex, non-finite floats as text)."""
-    if isinstance(v, bytes):
-        return "0x" + v.hex()
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    return v
-
-
-def _error(status: int, reason: str) -> JSONResponse:
-    return JSONResponse({"error": reason.replace("\n", " ")[:500]}, status_code=status)
 
 
 app = FastAPI(title="arctic-rl text-to-SQL", docs_url=None, redoc_url=None, openapi_url=None)
@@ -142,6 +64,11 @@ app = FastAPI(title="arctic-rl text-to-SQL", docs_url=None, redoc_url=None, open
 @app.exception_handler(RequestError)
 async def _bad_request(request: Request, e: RequestError) -> JSONResponse:
     return _error(e.status, e.reason)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    return _error(e.status_code, f"{e.detail}: {request.method} {request.url.path}")
 
 
 @app.exception_handler(Exception)
@@ -224,10 +151,11 @@ class SqlService:
         out: dict[str, Any] = {"execute_s": round(time.perf_counter() - t, 4)}
         if r.status == "ok":
             out.update(verdict="ok", error="", row_count=len(r.rows), truncated=len(r.rows) > self.opts.return_rows,
+                       columns=list(r.columns),
                        rows=[[json_value(v) for v in row] for row in r.rows[: self.opts.return_rows]])
         else:
             verdict = {"timeout": TIMEOUT, "too_many_rows": TOO_MANY_ROWS}.get(r.status, SQL_ERROR)
-            out.update(verdict=verdict, error=r.error, row_count=0, truncated=False, rows=[])
+            out.update(verdict=verdict, error=r.error, row_count=0, truncated=False, columns=[], rows=[])
         return out
 
     def _db(self, body: dict) -> str:
@@ -238,20 +166,13 @@ class SqlService:
 
     # -- routes ----------------------------------------------------------------------------------
 
-    @app.post("/v1/sql")
-    async def sql(self, request: Request) -> JSONResponse:
+    async def _answer(self, db_id: str, question: str, evidence: str, execute: bool, max_turns: int = 1) -> dict:
+        """/v1/sql's answer (also the chat completions'): the SQL, the completion and, with execute,
+        the rows or the verdict-style error; timings; `usage` (prompt and completion tokens)."""
         from actors.engines.base import TaskError
         from policies.sql_reward import GENERATION_ERROR, NO_SQL, extract_sql
 
         start = time.perf_counter()
-        body = await read_json(request)
-        question = field_of(body, "question", str, max_chars=self.opts.max_question_chars)
-        db_id = self._db(body)
-        evidence = field_of(body, "evidence", str, required=False, max_chars=self.opts.max_evidence_chars) or ""
-        execute = bool(field_of(body, "execute", bool, required=False))
-        max_turns = field_of(body, "max_turns", int, required=False) or 1
-        if not 1 <= max_turns <= MAX_TURNS:
-            raise RequestError(422, f"field 'max_turns' must be in 1..{MAX_TURNS}, got {max_turns}")
         task = self._task(db_id, question, evidence, max_turns)
         self.counters["requests"] += 1
         try:
@@ -269,7 +190,8 @@ class SqlService:
         sample = group.samples[0]
         sql = (sample.answer or None) if max_turns > 1 else extract_sql(sample.text)
         out: dict[str, Any] = {"db_id": db_id, "question": question, "sql": sql, "completion": sample.text,
-                               "finish_reason": sample.finish_reason, "batch_size": batch}
+                               "finish_reason": sample.finish_reason, "batch_size": batch,
+                               "usage": (len(task.prompt_tokens) // 4, len(sample.tokens) // 4)}
         if max_turns > 1:  # every turn: the queries it ran (the completion holds their observations)
             out.update(turns=sample.turns, queries=sample.queries, tool_errors=sample.tool_errors)
         timings = {"generate_s": round(gen_s, 4)}
@@ -285,7 +207,38 @@ class SqlService:
         timings["total_s"] = round(time.perf_counter() - start, 4)
         out["timings"] = timings
         self.log.info("serve.sql", db_id=db_id, batch=batch, verdict=out.get("verdict"), **timings)
+        return out
+
+    @app.post("/v1/sql")
+    async def sql(self, request: Request) -> JSONResponse:
+        body = await read_json(request)
+        question = field_of(body, "question", str, max_chars=self.opts.max_question_chars)
+        db_id = self._db(body)
+        evidence = field_of(body, "evidence", str, required=False, max_chars=self.opts.max_evidence_chars) or ""
+        execute = bool(field_of(body, "execute", bool, required=False))
+        max_turns = field_of(body, "max_turns", int, required=False) or 1
+        if not 1 <= max_turns <= MAX_TURNS:
+            raise RequestError(422, f"field 'max_turns' must be in 1..{MAX_TURNS}, got {max_turns}")
+        out = await self._answer(db_id, question, evidence, execute, max_turns)
+        out.pop("usage")
         return JSONResponse(out)
+
+    @app.get("/v1/models")
+    async def models(self) -> JSONResponse:
+        from launch.serve_openai import models_list
+
+        return JSONResponse(models_list(self.dbs))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> JSONResponse:
+        from launch.serve_openai import chat_response, parse_chat
+
+        body = await read_json(request)
+        question, db_id, evidence, execute = parse_chat(body, self.dbs, self.opts.max_question_chars,
+                                                        self.opts.max_evidence_chars)
+        out = await self._answer(db_id, question, evidence, execute)
+        prompt_tokens, completion_tokens = out.pop("usage")
+        return JSONResponse(chat_response(out, body["model"], prompt_tokens, completion_tokens))
 
     @app.post("/v1/execute")
     async def execute(self, request: Request) -> JSONResponse:
@@ -323,18 +276,28 @@ def build_app(opts: ServeOptions, replicas: int = 1, actor_options: dict | None 
 
 def start(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, replicas: int = 1,
           actor_options: dict | None = None, timeout_s: float = 600.0) -> str:
-    """Deploys the app on the connected Ray cluster and waits (bounded) until it answers; returns its URL."""
-    import concurrent.futures
+    """Deploys the app on the connected Ray cluster and waits (bounded) until it answers; returns its URL.
+    The deploy runs in a daemon thread, so an interrupt while it waits never leaves the process waiting
+    on it at exit."""
+    import threading
 
     serve.start(http_options={"host": host, "port": port, "request_timeout_s": opts.request_timeout_s + 60})
-    pool = concurrent.futures.ThreadPoolExecutor(1)
-    fut = pool.submit(serve.run, build_app(opts, replicas, actor_options), name=APP_NAME, route_prefix="/")
-    try:
-        fut.result(timeout=timeout_s)
-    except concurrent.futures.TimeoutError:
-        raise TimeoutError(f"the service was not ready after {timeout_s:g} s (see the Ray logs)") from None
-    finally:
-        pool.shutdown(wait=False)
+    outcome: list = []
+
+    def deploy():
+        try:
+            serve.run(build_app(opts, replicas, actor_options), name=APP_NAME, route_prefix="/")
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
+            outcome.append(e)
+
+    t = threading.Thread(target=deploy, name="serve-deploy", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if not outcome:
+        raise TimeoutError(f"the service was not ready after {timeout_s:g} s (see the Ray logs)")
+    if outcome[0] is not None:
+        raise outcome[0]
     return f"http://{host}:{port}"
 
 
@@ -360,54 +323,62 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-timeout", type=float, default=600.0)
     args = p.parse_args(argv)
     from launch.export import ExportError, default_engine, read_settings
+    from launch.serve_life import check_port, interrupt_on_sigterm, stop
 
     try:
         if args.replicas < 1 or args.max_batch_size < 1 or not 0 < args.port < 65536:
             raise ValueError("--replicas and --max-batch-size must be >= 1 and --port in 1..65535")
         read_settings(args.model)
         dbs = find_databases(args.bird_dir, args.split)
+        check_port(args.host, args.port)
     except (ExportError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import tempfile
 
-    import ray
-
     engine = args.engine or default_engine()  # decided here: a replica without a GPU would not see one
-
-    temp_dir = None if args.ray_address else tempfile.mkdtemp(prefix="arl-serve-ray-")
-    if args.ray_address:
-        ray.init(address=args.ray_address)
-    else:
-        ray.init(address="local", include_dashboard=False, _temp_dir=temp_dir)
-    opts = ServeOptions(model=str(Path(args.model).resolve()), bird_dir=str(Path(args.bird_dir).resolve()),
-                        split=args.split, engine=engine, device=args.device, max_batch_size=args.max_batch_size,
-                        batch_wait_s=args.batch_wait_s, max_tokens=args.max_tokens)
+    interrupt_on_sigterm()
+    temp_dir = None
     try:
+        import ray
+
+        from launch.run import ray_on_loopback
+
+        if args.ray_address:
+            ray.init(address=args.ray_address)
+        else:
+            temp_dir = tempfile.mkdtemp(prefix="arl-serve-ray-")
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            with ray_on_loopback(True):  # Ray's own sockets on 127.0.0.1, as the training launcher's
+                ray.init(address="local", include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+        interrupt_on_sigterm()  # again: ray.init installs its own handler (sys.exit(15), skipping the message)
+        opts = ServeOptions(model=str(Path(args.model).resolve()), bird_dir=str(Path(args.bird_dir).resolve()),
+                            split=args.split, engine=engine, device=args.device, max_batch_size=args.max_batch_size,
+                            batch_wait_s=args.batch_wait_s, max_tokens=args.max_tokens)
         actor_options = {"num_cpus": args.cpus_per_replica}
         gpus = args.gpus_per_replica if args.gpus_per_replica is not None else float(engine == "vllm")
         if gpus:
             actor_options["num_gpus"] = gpus
         url = start(opts, args.host, args.port, args.replicas, actor_options, args.start_timeout)
         db = next(iter(dbs))
-        print(f"serving {args.model} on {url} ({len(dbs)} databases, {args.replicas} replica(s)); Ctrl-C stops\n"
-              f"  page:  {url}/\n"
-              f"  ask:   curl -s {url}/v1/sql -d '{{\"db_id\": \"{db}\", \"question\": \"How many rows?\", "
-              f"\"execute\": true}}'", flush=True)
+        print(f"ready: serving {args.model} on {url} ({len(dbs)} databases, {args.replicas} replica(s)); "
+              f"Ctrl-C stops\n"
+              f"  page:   {url}/\n"
+              f"  ask:    curl -s {url}/v1/sql -d '{{\"db_id\": \"{db}\", \"question\": \"How many rows?\", "
+              f"\"execute\": true}}'\n"
+              f"  openai: base_url {url}/v1, model arl-sql/{db}", flush=True)
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM (ours, or ray.init's exit(15) while it starts)
         return 0
-    except TimeoutError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001  (a deploy that failed or timed out: one line, then the clean stop)
+        from queues.errors import one_line
+
+        print(f"error: the service did not start: {one_line(e)}", file=sys.stderr)
         return 1
     finally:
-        serve.shutdown()
-        ray.shutdown()
-        if temp_dir is not None:
-            import shutil
-
-            shutil.rmtree(temp_dir, ignore_errors=True)
+        stop(temp_dir)
+        print("stopped", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

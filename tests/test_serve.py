@@ -2,10 +2,12 @@
 
 One Serve application serves every test here (module fixture): concurrent requests are batched
 (the test counts engine batches < requests), SQL runs read-only, each bad input is a 4xx with a
-one-line reason, the proxy listens on loopback only, and the page loads.
+one-line reason under "error" (unknown routes and methods too), the proxy listens on loopback only, the
+page loads, and the `openai` client gets the SQL and its rows from /v1/chat/completions.
 """
 import concurrent.futures
 import hashlib
+import json
 import shutil
 import socket
 
@@ -148,6 +150,62 @@ def test_bad_input_is_a_4xx_with_one_line(service, path, body, status, reason):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert reason in error and "\n" not in error and "Traceback" not in r.text
+
+
+def test_openai_client_lists_models_and_gets_the_sql_with_its_rows(service):
+    """The `openai` package against the running server: /v1/models, a chat completion whose content is
+    the SQL /v1/sql gives for the same question, the rows beside it, the database by field or suffix."""
+    openai = pytest.importorskip("openai")
+    from tasks.bird import load_split
+
+    client, _, bird = service
+    oa = openai.OpenAI(base_url=f"{client.base_url}v1", api_key="unused", max_retries=0, timeout=120)
+    ids = {m.id for m in oa.models.list()}
+    q = load_split(bird, "dev")[0]
+    assert {"arl-sql", f"arl-sql/{q.db_id}"} <= ids
+    messages = [{"role": "system", "content": "Answer in SQL."}, {"role": "user", "content": q.question}]
+    by_suffix = oa.chat.completions.create(model=f"arl-sql/{q.db_id}", messages=messages)
+    by_field = oa.chat.completions.create(model="arl-sql", messages=messages, extra_body={"db_id": q.db_id})
+    ours = client.post("/v1/sql", json={"question": q.question, "db_id": q.db_id, "execute": True}).json()
+    for r in (by_suffix, by_field):
+        assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+        assert r.choices[0].message.content == (ours["sql"] or "")
+        assert r.verdict == ours["verdict"] and r.rows == ours["rows"] and r.usage.completion_tokens > 0
+    assert by_suffix.model_extra.get("columns") == ours.get("columns")
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.chat.completions.create(model=f"arl-sql/{q.db_id}", messages=messages, stream=True)
+    assert isinstance(e.value.body, dict) and "stream is not supported" in e.value.body["error"]
+    with pytest.raises(openai.NotFoundError):
+        oa.chat.completions.create(model="gpt-4o", messages=messages)
+
+
+@pytest.mark.parametrize("method, path, body, status, reason", [
+    ("POST", "/v1/chat/completions", {"model": "arl-sql", "messages": [{"role": "user", "content": "How many?"}]},
+     422, "name the database"),
+    ("POST", "/v1/chat/completions", {"model": "arl-sql/DB", "messages": []}, 422, "field 'messages'"),
+    ("POST", "/v1/chat/completions", {"model": "arl-sql/DB", "messages": [{"role": "user", "content": "x"}],
+                                      "stream": True}, 400, "stream is not supported"),
+    ("POST", "/v1/chat/completions", {"model": "arl-sql/nope", "messages": [{"role": "user", "content": "x"}]},
+     404, "unknown db_id 'nope'"),
+    ("GET", "/v1/nowhere", None, 404, "Not Found: GET /v1/nowhere"),
+    ("GET", "/v1/sql", None, 405, "Method Not Allowed"),
+])
+def test_every_error_body_is_one_line_under_error(service, method, path, body, status, reason):
+    client, _, _ = service
+    db = client.get("/v1/databases").json()["databases"][0]["db_id"]
+    if body is not None:
+        body = json.loads(json.dumps(body).replace("arl-sql/DB", f"arl-sql/{db}"))
+    r = client.request(method, path, json=body)
+    assert r.status_code == status, r.text
+    assert set(r.json()) == {"error"} and reason in r.json()["error"] and "\n" not in r.json()["error"]
+
+
+def test_rows_carry_column_names(service):
+    client, _, _ = service
+    db = client.get("/v1/databases").json()["databases"][0]
+    table = db["tables"][0]["name"]
+    r = client.post("/v1/execute", json={"db_id": db["db_id"], "sql": f"SELECT COUNT(*) AS n, 1 AS one FROM {table}"})
+    assert r.json()["columns"] == ["n", "one"]
 
 
 def test_proxy_listens_on_loopback_only(service):
