@@ -258,6 +258,29 @@ def episode_runner(engine, tokenizer, args):
     return EpisodeRunner(engine, cfg, tokenizer, ToolExecutor(workers=2, timeout_s=args.timeout, max_rows=args.max_rows))
 
 
+def default_out_dir(model: str, split: str) -> Path:
+    """<run>/eval/<step_N>-<split> for an export under <run>/hf/, else eval-<name>-<split> beside the model:
+    never the current directory."""
+    m = Path(model).resolve()
+    if m.parent.name == "hf":
+        return m.parent.parent / "eval" / f"{m.name}-{split}"
+    return m.parent / f"eval-{m.name}-{split}"
+
+
+def check_model(model: str) -> None:
+    """ExportError (one line) for a directory that is not an export; a run directory names its newest."""
+    from launch.export import ExportError, latest_export, read_settings
+
+    try:
+        read_settings(model)
+    except ExportError:
+        newest = latest_export(model)
+        if newest is not None:
+            raise ExportError(f"{model} is a run directory, not an export: its newest export is {newest} "
+                              f"(--model {newest})") from None
+        raise
+
+
 def evaluate_model(args, questions) -> int:
     from launch.export import load_engine
     from tasks.bird import build_prompts
@@ -273,7 +296,7 @@ def evaluate_model(args, questions) -> int:
     texts = generate(engine, items, args.samples, temperature, runner, episodes if runner else None)
     if runner is not None:
         runner.executor.close()
-    out_dir = Path(args.out_dir or f"eval-{Path(args.model).name}-{args.split}")
+    out_dir = Path(args.out_dir) if args.out_dir else default_out_dir(args.model, args.split)
     out_dir.mkdir(parents=True, exist_ok=True)
     with SqlPool(workers=args.workers, timeout_s=args.timeout, max_rows=args.max_rows) as pool:
         preds, facts = vote(questions, texts, pool)
@@ -313,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--model", help="generate with this export (runs/<run>/hf/step_<N>) and score it")
     p.add_argument("--out", default="", help="with --predictions: per-question JSONL")
     p.add_argument("--out-dir", default="", help="with --model: predict_<split>.json and results.jsonl "
-                                                 "(default eval-<model dir name>-<split>)")
+                                                 "(default <run>/eval/<step_N>-<split>)")
     p.add_argument("--samples", type=int, default=1, help="with --model: samples per question (k > 1: majority "
                                                           "vote and pass@k)")
     p.add_argument("--temperature", type=float, default=None, help="default 0 (greedy) for one sample, "
@@ -339,14 +362,14 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --timeout must be > 0, --workers, --samples, --batch-size, --max-turns and --timing-runs >= 1, --limit >= 0",
               file=sys.stderr)
         return 2
-    from launch.export import ExportError, read_settings
+    from launch.export import ExportError
 
     try:
         questions = load_split(args.bird_dir, args.split)
         if args.limit:
             questions = questions[: args.limit]
         if args.model:
-            read_settings(args.model)
+            check_model(args.model)
             return evaluate_model(args, questions)
         preds = read_predictions(Path(args.predictions), questions)
     except (BirdDataError, EvalInputError, ExportError) as e:

@@ -151,3 +151,19 @@ def test_model_with_max_turns_writes_every_turn_and_scores_the_final_answers(exp
 def test_model_that_is_not_an_export_exits_2(tmp_path, bird, capsys):
     assert main(["--bird-dir", str(bird), "--model", str(tmp_path)]) == 2
     assert "has no config.json" in capsys.readouterr().err
+
+
+def test_a_run_directory_as_model_names_its_newest_export(tmp_path, bird, capsys):
+    for step in (2, 10):
+        (tmp_path / "hf" / f"step_{step}").mkdir(parents=True)
+        (tmp_path / "hf" / f"step_{step}" / "config.json").write_text("{}")
+    assert main(["--bird-dir", str(bird), "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a run directory" in err and f"--model {tmp_path / 'hf' / 'step_10'}" in err and "\n" not in err
+
+
+def test_default_out_dir_is_under_the_run_never_the_current_directory(tmp_path):
+    from launch.eval import default_out_dir
+
+    assert default_out_dir(str(tmp_path / "run" / "hf" / "step_8"), "dev") == tmp_path / "run" / "eval" / "step_8-dev"
+    assert default_out_dir(str(tmp_path / "my_model"), "dev") == tmp_path / "eval-my_model-dev"
