@@ -6,11 +6,14 @@ Panels (each drawn only when at least one of its keys has a value; a step missin
                     raw and smoothed: mean of the last SMOOTH steps)
     accuracy        eval_accuracy (held-out, greedy), accuracy (training samples)
     response length response_len_mean
-    stage timings   every key starting with "time_" (seconds per step, one line each)
+    stage timings   every key starting with "time_" (seconds per step, one line each); more than
+                    MAX_TIMING_SERIES of them are summed into TIMING_GROUPS (at most six lines)
 Several runs: three panels side by side, held-out reward (sampled), held-out accuracy (greedy) and
 training reward (mean of the last SMOOTH steps), one colour per run, labelled by the run's seed and
 generator.max_turns where the runs' configs differ in them (else by directory name); written to --out
 (default compare.png in the current directory).
+The held-out lines are the bold ones, the training lines thin; the title carries the held-out numbers
+before -> after (launch.progress.summary, the line the run ends with).
 Rows are {"step": int, "time": float, ...scalars}; null values (NaN when logged) are skipped. Rows of
 step < 0 are the evaluation before training and are drawn at step 0. Every series has its own colour
 across the whole figure; legends sit outside the plots. The title counts training steps (distinct
@@ -34,6 +37,12 @@ PANELS: list[tuple[str, list[str], str]] = [
 ]
 TIMING_PREFIX = "time_"
 SMOOTH = 10  # training reward: mean over the last SMOOTH logged steps
+MAX_TIMING_SERIES = 6
+GROUP_PREFIX = "time_group:"
+# (group, substrings of the keys it sums); the first match wins, the last group takes the rest.
+TIMING_GROUPS = [("step (total)", ("time_step",)), ("sleep / wake", ("sleep", "wake", "pause")),
+                 ("generation + scoring", ("generat", "scor")), ("training", ("train",)), ("weight sync", ("sync",)),
+                 ("eval, checkpoint, other", ("",))]
 LABELS = {"eval_reward_mean": "held-out reward (sampled)", "reward_mean": "training reward",
           "eval_accuracy": "held-out accuracy (greedy)", "accuracy": "training accuracy"}
 
@@ -87,9 +96,29 @@ def training_steps(rows: list[dict]) -> int:
     return len({row["step"] for row in rows if isinstance(row.get("step"), int) and row["step"] >= 0})
 
 
+def timing_group(key: str) -> str:
+    return next(name for name, parts in TIMING_GROUPS if any(p in key for p in parts))
+
+
+def with_timing_groups(rows: list[dict]) -> list[dict]:
+    """Rows with GROUP_PREFIX + group = the sum of the row's finite time_* values in that group."""
+    out = []
+    for row in rows:
+        extra: dict[str, float] = {}
+        for k, v in row.items():
+            if k.startswith(TIMING_PREFIX) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                g = GROUP_PREFIX + timing_group(k)
+                extra[g] = extra.get(g, 0.0) + float(v)
+        out.append({**row, **extra})
+    return out
+
+
 def panels_for(rows: list[dict]) -> list[tuple[str, list[str], str]]:
-    """The panels that have data, each with only its keys that have data."""
+    """The panels that have data, each with only its keys that have data; over MAX_TIMING_SERIES
+    timing keys, the timing groups instead (rows from with_timing_groups)."""
     timing_keys = sorted({k for row in rows for k in row if k.startswith(TIMING_PREFIX)})
+    if len(timing_keys) > MAX_TIMING_SERIES:
+        timing_keys = [GROUP_PREFIX + name for name, _ in TIMING_GROUPS]
     out = []
     for title, keys, unit in PANELS + [("stage timings", timing_keys, "seconds")]:
         present = [k for k in keys if series(rows, k)[0]]
@@ -105,7 +134,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    rows = load_rows(run_dir / "metrics.jsonl")
+    rows = with_timing_groups(load_rows(run_dir / "metrics.jsonl"))
     panels = panels_for(rows)
     if not panels:
         raise ReportError(f"{run_dir / 'metrics.jsonl'} has none of reward_mean, eval_accuracy, accuracy, "
@@ -117,19 +146,25 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         for key in keys:
             steps, values = series(rows, key)
             marker = "o" if len(steps) < 30 else None
-            label = LABELS.get(key, key)
+            label = LABELS.get(key, key.removeprefix(GROUP_PREFIX))
+            held_out = key.startswith("eval_")
             if key == "reward_mean" and len(values) > SMOOTH:
-                ax.plot(steps, values, color=next(colours), alpha=0.35, linewidth=0.8, label=f"{label} (raw)")
-                ax.plot(steps, smoothed(values), color=next(colours), linewidth=1.8,
+                ax.plot(steps, values, color=next(colours), alpha=0.3, linewidth=0.6, label=f"{label} (raw)")
+                ax.plot(steps, smoothed(values), color=next(colours), linewidth=1.0, alpha=0.8,
                         label=f"{label} (mean of last {SMOOTH})")
                 continue
-            ax.plot(steps, values, color=next(colours), marker=marker, markersize=3, label=label)
+            ax.plot(steps, values, color=next(colours), marker=marker, markersize=4 if held_out else 2,
+                    linewidth=2.8 if held_out else 1.0, alpha=1.0 if held_out else 0.7, zorder=3 if held_out else 2,
+                    label=label)
         ax.set_title(title)
         ax.set_ylabel(unit)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     axes[-1, 0].set_xlabel("step")
-    fig.suptitle(f"{run_dir.name}: {training_steps(rows)} training steps")
+    from launch.progress import summary
+
+    before_after = summary(run_dir)
+    fig.suptitle(f"{run_dir.name}: {training_steps(rows)} training steps" + (f"\n{before_after}" if before_after else ""))
     fig.tight_layout()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path, format="png", dpi=100)

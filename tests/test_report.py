@@ -106,3 +106,23 @@ def test_several_runs_make_one_comparison_labelled_by_seed(tmp_path, capsys):
     (tmp_path / "s1" / "config.json").write_text(json.dumps({"seed": 1, "generator": {"max_turns": 3}}))
     assert _label(tmp_path / "t1", dirs + [tmp_path / "t1"]) == "seed 1, max_turns 1"
     assert _label(tmp_path / "s1", [tmp_path / "s1", tmp_path / "t1"]) == "max_turns 3"
+
+
+def test_many_timings_are_grouped_into_six_series_and_the_title_says_before_and_after(tmp_path):
+    from launch.report import GROUP_PREFIX, with_timing_groups
+
+    keys = ["time_step", "time_generation", "time_exposed_scoring", "time_training", "time_weight_sync",
+            "time_generator_sleep", "time_generator_wake_kv", "time_learner_wake", "time_eval", "time_checkpoint",
+            "time_generator_pause", "time_learner_sleep"]
+    rows = [{"step": -1, "eval_accuracy": 0.1, "eval_reward_mean": 0.15}] + [
+        {"step": s, "reward_mean": 0.2, **{k: 1.0 for k in keys}} for s in range(3)] + [
+        {"step": 2, "eval_accuracy": 0.4, "eval_reward_mean": 0.3}]
+    grouped = with_timing_groups(rows)
+    timings = dict((t, k) for t, k, _ in panels_for(grouped))["stage timings"]
+    assert len(timings) == 6 and all(k.startswith(GROUP_PREFIX) for k in timings)
+    sums = {k.removeprefix(GROUP_PREFIX): v for k, v in grouped[1].items() if k.startswith(GROUP_PREFIX)}
+    assert sums == {"step (total)": 1.0, "generation + scoring": 2.0, "training": 1.0, "weight sync": 1.0,
+                    "sleep / wake": 5.0, "eval, checkpoint, other": 2.0}
+    assert sum(sums.values()) == len(keys)  # every timing key lands in exactly one group
+    write_metrics(tmp_path, rows)
+    assert write_report(tmp_path).read_bytes()[:8] == PNG_MAGIC
