@@ -192,3 +192,16 @@ def make_placement(cfg: RunConfig) -> Placement:
     actors += cpu_side
     return Placement(mode, cl.num_nodes, cl.gpus_per_node, bundles, actors, world, weight_sync,
                      cpu_bundle=cl.gpus_per_node, errors=errors)
+
+
+def local_num_cpus(placement: Placement, host_cpus: int | None = None) -> int | None:
+    """The logical CPUs a new local Ray cluster gets for a CPU recipe: the host's, raised to the sum of
+    the actors' requests when they ask for more (Ray's CPUs are a scheduling count, not cores, and a
+    request that never fits would only fail the run); None for GPU recipes (Ray counts the host)."""
+    import math
+    import os
+
+    if placement.gpu:
+        return None
+    host = host_cpus or os.cpu_count() or 1
+    return max(host, math.ceil(sum(a.num_cpus for a in placement.actors) - 1e-9))
