@@ -27,6 +27,16 @@ from config.schema import ConfigError, RunConfig, expresses_shared_prefix
 log = logging.getLogger("config")
 
 
+def _got(data: dict, key: str) -> str:
+    """' (value <value>)' for the value at a dotted key, to echo the bad input ('' when not found)."""
+    node = data
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return ""
+        node = node[part]
+    return f" (value {node!r})"[:200]
+
+
 def validate(data: dict) -> RunConfig:
     """Builtins -> RunConfig, with a one-line error naming the bad key."""
     try:
@@ -36,7 +46,8 @@ def validate(data: dict) -> RunConfig:
         # msgspec says "... - at `$.learner.lr`"; turn the path into the user's dotted key.
         if "- at `$." in msg:
             text, path = msg.rsplit("- at `$.", 1)
-            raise ConfigError(f"config key {path.rstrip('`')!r}: {text.strip()}") from None
+            key = path.rstrip("`")
+            raise ConfigError(f"config key {key!r}: {text.strip()}{_got(data, key)}") from None
         raise ConfigError(f"config: {msg}") from None
     check(cfg)
     cfg.learner.correction, cfg.learner.correction_cap = resolve_correction(cfg)

@@ -25,7 +25,7 @@ PAGE = """<!doctype html>
 <body>
 <h1>Ask a database</h1>
 <label>Database <select id="db"></select> <span id="tables"></span></label>
-<label>Question <textarea id="question" rows="3" placeholder="How many customers live in Oslo?"></textarea></label>
+<label>Question <textarea id="question" rows="3" placeholder="Ask about the database picked above"></textarea></label>
 <label>Evidence (optional) <input type="text" id="evidence"></label>
 <label><input type="checkbox" id="execute" checked> run the SQL (read-only sandbox)</label>
 <label>Turns <input type="number" id="turns" min="1" max="8" value="1"> (above 1: the model may run queries and see their rows or error before it answers)</label>
@@ -50,8 +50,13 @@ async function loadDatabases() {
   showTables();
 }
 function showTables() { $('tables').textContent = schemas[$('db').value] ? 'tables: ' + schemas[$('db').value] : ''; }
-function table(rows) {
+function table(rows, columns) {
   const t = document.createElement('table');
+  if (columns && columns.length) {
+    const tr = document.createElement('tr');
+    for (const c of columns) { const th = document.createElement('th'); th.textContent = c; tr.appendChild(th); }
+    t.appendChild(tr);
+  }
   for (const row of rows) {
     const tr = document.createElement('tr');
     for (const v of row) { const td = document.createElement('td'); td.textContent = v === null ? 'NULL' : String(v); tr.appendChild(td); }
@@ -73,7 +78,7 @@ async function ask() {
     if (data.rows && data.verdict === 'ok') {
       const p = document.createElement('p');
       p.textContent = data.row_count + ' row(s)' + (data.truncated ? ', first ' + data.rows.length + ' shown' : '');
-      $('result').appendChild(p); $('result').appendChild(table(data.rows));
+      $('result').appendChild(p); $('result').appendChild(table(data.rows, data.columns));
     }
     if (data.turns !== undefined) showEpisode(data);
     $('timings').textContent = Object.entries(data.timings).map(([k, v]) => k + ' ' + v).join(', ')

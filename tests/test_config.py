@@ -44,7 +44,8 @@ def test_nested_engine_kwargs_stay_plain_dicts():
 @pytest.mark.parametrize("override, message", [
     ("learner.lrr=1", "unknown config key 'learner.lrr'; closest: learner.lr"),
     ("lerner.lr=1", "unknown config key 'lerner.lr'; closest: learner.lr"),
-    ("learner.lr=fast", "config key 'learner.lr': Expected `float`, got `str`"),
+    ("learner.lr=fast", "config key 'learner.lr': Expected `float`, got `str` (value 'fast')"),
+    ("generator.n_samples=eight", "config key 'generator.n_samples': Expected `int`, got `str` (value 'eight')"),
     ("generator.engine=tgi", "config key 'generator.engine': Invalid enum value 'tgi'"),
     ("learner=3", "config key 'learner' is a section"),
     ("learner.lr.x=3", "config key 'learner.lr' is a value, not a section"),

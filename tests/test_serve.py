@@ -159,7 +159,7 @@ def test_openai_client_lists_models_and_gets_the_sql_with_its_rows(service):
     from tasks.bird import load_split
 
     client, _, bird = service
-    oa = openai.OpenAI(base_url=f"{client.base_url}v1", api_key="unused", max_retries=0, timeout=120)
+    oa = openai.OpenAI(base_url=str(client.base_url).rstrip("/") + "/v1", api_key="unused", max_retries=0, timeout=120)
     ids = {m.id for m in oa.models.list()}
     q = load_split(bird, "dev")[0]
     assert {"arl-sql", f"arl-sql/{q.db_id}"} <= ids
