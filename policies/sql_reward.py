@@ -8,7 +8,10 @@ Invariants:
   reward_format, all 0 by default: then it is reward_for exactly); a wrong answer never outscores a
   right one, whatever the weights.
 - Result comparison is BIRD's rule, set(pred_rows) == set(gold_rows): row order and duplicate
-  rows are ignored, column order is not (rows are tuples).
+  rows are ignored, column order is not (rows are tuples). It is stricter than BIRD's evaluation.py
+  on purpose: an answer with no SQL or no result columns is never a match, even against an empty gold
+  (BIRD's script counts it; paying for it would teach the policy to answer nothing). launch.eval scores
+  with BIRD's rule by default (policies/bird_eval.py) and with this one under --strict.
 """
 from __future__ import annotations
 
