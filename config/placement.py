@@ -194,14 +194,14 @@ def make_placement(cfg: RunConfig) -> Placement:
                      cpu_bundle=cl.gpus_per_node, errors=errors)
 
 
-def local_num_cpus(placement: Placement, host_cpus: int | None = None) -> int | None:
-    """The logical CPUs a new local Ray cluster gets for a CPU recipe: the host's, raised to the sum of
-    the actors' requests when they ask for more (Ray's CPUs are a scheduling count, not cores, and a
-    request that never fits would only fail the run); None for GPU recipes (Ray counts the host)."""
+def local_num_cpus(placement: Placement, host_cpus: float) -> int | None:
+    """The logical CPUs a new local Ray cluster gets for a CPU recipe whose actors ask for more than the
+    host's `host_cpus` (as Ray counts them, cgroup limits included): their sum, rounded up (Ray's CPUs are
+    a scheduling count, not cores, and a request that never fits would only fail the run). None (Ray
+    counts the host) when they fit, and for GPU recipes."""
     import math
-    import os
 
     if placement.gpu:
         return None
-    host = host_cpus or os.cpu_count() or 1
-    return max(host, math.ceil(sum(a.num_cpus for a in placement.actors) - 1e-9))
+    want = math.ceil(sum(a.num_cpus for a in placement.actors) - 1e-9)
+    return want if want > host_cpus else None

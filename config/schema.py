@@ -224,7 +224,7 @@ class ClusterConfig(_Section):
     num_nodes: int = 1
     gpus_per_node: int = 0
     gpu_memory_gib: float = 80.0  # per GPU, for the --dry-run memory plan
-    num_cpus: int = 0  # local cluster CPUs (0: the host's, raised to what a CPU recipe's actors ask for)
+    num_cpus: int = 0  # local cluster CPUs (0: the host's, or what a CPU recipe's actors ask for when that is more)
     dashboard_host: str = "127.0.0.1"
     ray_loopback: bool = True  # a local cluster's own servers (GCS, raylet, workers, agents) on loopback only;
     # false: Ray's default (the host's address, all interfaces), e.g. to let other nodes join it

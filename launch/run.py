@@ -262,6 +262,8 @@ def dashboard_available(log=None) -> bool:
 def start_ray(cfg: RunConfig, run_dir: Path, log) -> None:
     import ray
 
+    from ray._private.utils import get_num_cpus as host_cpus
+
     from config.placement import local_num_cpus, make_placement
 
     address = cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS", "")
@@ -273,7 +275,7 @@ def start_ray(cfg: RunConfig, run_dir: Path, log) -> None:
         with ray_on_loopback(cfg.cluster.ray_loopback):
             # address="local": always a new cluster of our own, never one found through
             # /tmp/ray/ray_current_cluster (another user's or another run's; RAY_ADDRESS joins one).
-            ray.init(address="local", num_cpus=cfg.cluster.num_cpus or local_num_cpus(make_placement(cfg)), num_gpus=cfg.cluster.gpus_per_node or None,
+            ray.init(address="local", num_cpus=cfg.cluster.num_cpus or local_num_cpus(make_placement(cfg), host_cpus()), num_gpus=cfg.cluster.gpus_per_node or None,
                      include_dashboard=dashboard_available(log), dashboard_host=cfg.cluster.dashboard_host,
                      runtime_env=runtime_env,
                      log_to_driver=False, _temp_dir=os.environ.get("ARL_RAY_TMP") or None)
