@@ -1,4 +1,5 @@
-"""Shared fixtures: a real redis-server per test (started in ~15 ms on a unix socket)."""
+"""Shared fixtures: a real redis-server per test (started in ~15 ms on a unix socket), and the tiny
+model + tokenizer built once per session (`tiny_dir`: float32, seed 0; tests only read it)."""
 import contextlib
 import os
 import shutil
@@ -7,6 +8,15 @@ import tempfile
 import pytest
 
 from queues.redis_server import EmbeddedRedis
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """tasks.tiny_model's model and tokenizer in one directory, built once for the whole session."""
+    from config import ModelConfig
+    from tasks.tiny_model import build_tiny
+
+    return build_tiny(tmp_path_factory.mktemp("tiny_model"), model_cfg=ModelConfig(source="tiny", dtype="float32"), seed=0)
 
 
 @pytest.fixture

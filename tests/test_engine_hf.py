@@ -8,17 +8,12 @@ from actors.engines.base import EngineAsleep, TaskError
 from actors.engines.hf import TransformersEngine, sample_tokens
 from config import GeneratorConfig, ModelConfig
 from queues.messages import PromptTask, pack_ids, unpack_floats, unpack_ids
-from tasks.tiny_model import build_model, build_tiny
+from tasks.tiny_model import build_model
 
 torch.set_num_threads(1)
 
 MODEL_CFG = ModelConfig(source="tiny", dtype="float32")
 GEN_CFG = GeneratorConfig(engine="transformers", device="cpu", max_tokens=24, n_samples=2, max_batch_prompts=16)
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("tiny_model"), model_cfg=MODEL_CFG, seed=0)
 
 
 @pytest.fixture(scope="session")

@@ -22,15 +22,9 @@ from queues.messages import (PromptTask, RolloutGroup, Sample, ScoredGroup, code
 from tasks.bird import load_split
 from tasks.executor import ToolExecutor
 from tasks.synthetic import write_dataset
-from tasks.tiny_model import build_tiny
 
 torch.set_num_threads(1)
 MODEL_CFG = ModelConfig(source="tiny", dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("tiny_episode"), model_cfg=MODEL_CFG, seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from config import GeneratorConfig
 from policies import episode as ep
 from queues.messages import (PromptTask, RolloutGroup, Sample, pack_floats, pack_ids, sample_versions, unpack_floats,
                              unpack_ids, unpack_loss_mask)
-from tests.test_episode import executor, question, tiny_dir  # noqa: F401 (shared fixtures)
+from tests.test_episode import executor, question  # noqa: F401 (shared fixtures; tiny_dir is conftest's)
 
 
 @dataclass

@@ -13,7 +13,6 @@ from actors.generator.generator import Generator
 from config import GeneratorConfig, ModelConfig
 from queues.messages import PromptTask, RolloutGroup, codec, pack_ids
 from queues.streams import Stream, connect
-from tasks.tiny_model import build_tiny
 
 torch.set_num_threads(1)
 
@@ -21,11 +20,6 @@ MODEL_CFG = ModelConfig(source="tiny", dtype="float32")
 GEN_CFG = GeneratorConfig(engine="transformers", device="cpu", max_tokens=8, max_inflight_prompts=16,
                           max_batch_prompts=16)
 RUN = "gen-test"
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("tiny_model_gen"), model_cfg=MODEL_CFG, seed=0)
 
 
 @pytest.fixture

@@ -17,18 +17,12 @@ from config import AssemblerConfig, GeneratorConfig, ModelConfig
 from queues.messages import (PromptTask, RolloutGroup, ScoredGroup, codec, oldest_version, pack_ids, sample_versions,
                              unpack_floats, unpack_ids)
 from queues.streams import Stream, connect
-from tasks.tiny_model import build_tiny
 
 torch.set_num_threads(1)
 
 MODEL_CFG = ModelConfig(source="tiny", dtype="float32")
 GEN_CFG = GeneratorConfig(engine="transformers", device="cpu", max_tokens=48, max_inflight_prompts=8)
 RUN = "partial-test"
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("tiny_model_partial"), model_cfg=MODEL_CFG, seed=0)
 
 
 def _task(engine, i, n=2):
