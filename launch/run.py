@@ -315,9 +315,9 @@ def run(cfg: RunConfig) -> int:
 
         log.info("run started", run_id=run_id, run_dir=str(run_dir), redis=redis_server.socket_path if redis_server else
                  "external", dashboard=_dashboard_url())
-        summary = run_with_relaunches(cfg, run_id, run_dir, redis_url, model_path, train_items, eval_items, log)
-        log.info("run finished", **{k: v for k, v in summary.items() if k != "outcomes"}, **{
-            f"prompts_{k}": v for k, v in summary["outcomes"].items()})
+        result = run_with_relaunches(cfg, run_id, run_dir, redis_url, model_path, train_items, eval_items, log)
+        log.info("run finished", **{k: v for k, v in result.items() if k != "outcomes"}, **{
+            f"prompts_{k}": v for k, v in result["outcomes"].items()})
         print(summary(run_dir), flush=True)
         print(f"run directory: {run_dir}\nmetrics: {run_dir / 'metrics.jsonl'}\n"
               f"plot: {command('launch.report', run_dir)}" + next_steps(run_dir, bird_dir, cfg.data.eval_split),
