@@ -110,7 +110,7 @@ class SimLearner:
                 return {"tokens": float(batch.num_tokens)}
         raise TimeoutError(f"no TrainBatch for step {step}")
 
-    async def weight_sync_start(self, version: int, kind: str, bucket_mb: int):
+    async def weight_sync_start(self, version: int, kind: str, bucket_mb: int, impl: str = "ours"):
         self._version = version
 
     async def weight_sync_next(self):

@@ -1,5 +1,12 @@
 """Weight sync: the learner's weights into every generator's engine, one bounded bucket at a time.
 
+A transport is ONE strategy object (``weights.protocol.Transport``) with a sender half (learner rank)
+and a receiver half (generator, beside its engine), chosen by ONE factory from the resolved config
+(``weights.strategy.transport_for``: coordinator.weight_sync x coordinator.weight_sync_impl).
+**Adding a transport = one new module defining a ``TRANSPORT`` instance + one line in
+``weights.strategy.REGISTRY``.** ``weights.vllm_native`` puts vLLM's own weight-transfer engine
+(``vllm.distributed.weight_transfer``, CUDA IPC) behind the same halves (weight_sync_impl="vllm").
+
 This module is the one name callers import (``import weights as weight_sync``); the code lives
 in one file per concern, each with its invariants in its docstring:
 
@@ -12,6 +19,7 @@ in one file per concern, each with its invariants in its docstring:
   ranks' buckets into one message with the handles keyed by device uuid, and each receiver (a vLLM
   worker, the transformers engine) opens only its own GPU's handle.
 - ``weight_sync_broadcast``: a private NCCL (GPU) / gloo (CPU) group, learner rank 0 sending.
+- ``protocol`` / ``strategy``: the Transport shape and the registry + factory; ``vllm_native``: vLLM's own.
 
 Which transport runs follows from the placement (``CoordinatorConfig.weight_sync``): colocated GPU
 -> cuda_ipc, disaggregated GPU -> nccl, CPU -> object_store.
@@ -47,11 +55,12 @@ __all__ = [
 ]
 
 
-def make_receiver(kind: str, load_weights: Any, engine: Any = None) -> Any:
-    """The receiver of a per-bucket transport; `engine` (one that loads in its own workers) gets the
-    messages themselves: the merged IPC bucket, or the checked plan and raw buffers."""
-    if kind == "object_store":
-        return ObjectStoreReceiver(load_weights, load_flat=engine.load_flat_bucket if engine is not None else None)
-    if kind == "cuda_ipc":
-        return CudaIpcReceiver(load_weights, load_ipc=engine.load_ipc_bucket if engine is not None else None)
-    raise ValueError(f"coordinator.weight_sync {kind!r} is not a per-bucket transport (object_store, cuda_ipc)")
+def make_receiver(kind: str, load_weights: Any, engine: Any = None, impl: str = "ours") -> Any:
+    """The receiver half of a per-bucket transport (weights.strategy); `engine` (one that loads in its
+    own workers) gets the messages themselves: the merged IPC bucket, or the checked plan and raw buffers."""
+    from weights.strategy import get_transport
+
+    transport = get_transport(kind, impl)
+    if not transport.per_bucket:
+        raise ValueError(f"coordinator.weight_sync {kind!r} is not a per-bucket transport (object_store, cuda_ipc)")
+    return transport.make_receiver(load_weights, engine)

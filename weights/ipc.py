@@ -27,6 +27,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import torch
 
+from weights.protocol import Transport, TransportKey
 from weights.base import ReceiverBase, SenderBase, maybe_await
 from weights.wire import (
     BucketPlan, Expected, ExportWeights, LoadWeights, SyncAbort, SyncSummary, WeightSyncError, decode_message,
@@ -245,3 +246,24 @@ class CudaIpcReceiver(ReceiverBase):
             self._reset(None)
             raise
         return None
+
+
+class CudaIpcTransport(Transport):
+    """Colocated on GPUs: every learner rank exports its own GPU's handles; merged per bucket."""
+
+    key = TransportKey("cuda_ipc", "ours")
+
+    def make_sender(self, export_weights, bucket_mb, *, rank=0, device=None):
+        return CudaIpcSender(lambda mb: export_weights(mb, device="cuda"), bucket_mb, device=device)
+
+    def make_receiver(self, load_weights, engine=None):
+        return CudaIpcReceiver(load_weights, load_ipc=engine.load_ipc_bucket if engine is not None else None)
+
+    def merge(self, messages):
+        return merge_ipc_buckets(list(messages))
+
+    def all_ranks_send(self) -> bool:
+        return True
+
+
+TRANSPORT = CudaIpcTransport()

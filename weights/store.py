@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from weights.protocol import Transport, TransportKey
 from weights.base import ReceiverBase, SenderBase, maybe_await
 from weights.wire import (
     BucketPlan, Expected, ExportWeights, LoadWeights, SyncAbort, SyncSummary, WeightSyncError, decode_message,
@@ -105,3 +106,18 @@ class ObjectStoreReceiver(ReceiverBase):
             self._reset(None)
             raise
         return None
+
+
+class ObjectStoreTransport(Transport):
+    """The CPU transport and the one the transformers engine always takes."""
+
+    key = TransportKey("object_store", "ours")
+
+    def make_sender(self, export_weights, bucket_mb, *, rank=0, device=None):
+        return ObjectStoreSender(export_weights, bucket_mb)
+
+    def make_receiver(self, load_weights, engine=None):
+        return ObjectStoreReceiver(load_weights, load_flat=engine.load_flat_bucket if engine is not None else None)
+
+
+TRANSPORT = ObjectStoreTransport()

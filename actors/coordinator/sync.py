@@ -83,10 +83,12 @@ class WeightSyncHandshake:
             # others keep generating. The next full sync rebuilds the group with the newcomer.
             kind = "object_store"
         if kind in ("object_store", "cuda_ipc"):
-            await call(self.learner, "weight_sync_start", version, kind, self.cfg.coordinator.weight_bucket_mb)
+            impl = getattr(self.cfg.coordinator, "weight_sync_impl", "ours") if kind == self.cfg.coordinator.weight_sync \
+                else "ours"  # a partial resync's object-store fallback is ours
+            await call(self.learner, "weight_sync_start", version, kind, self.cfg.coordinator.weight_bucket_mb, impl)
             got = [await drive_bucketed_sync(
                 lambda: call(self.learner, "weight_sync_next"),
-                [lambda msg, g=g: call(g, "weight_sync_receive", msg, kind) for g in generators],
+                [lambda msg, g=g: call(g, "weight_sync_receive", msg, kind, impl) for g in generators],
                 abort=lambda: call(self.learner, "weight_sync_abort"))]
         else:  # nccl (gloo on CPU): a private group of the learner (rank 0) and every generator
             await self._broadcast_group()

@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 VLLM_API: list[tuple[str, tuple[str, ...]]] = [
     ("vllm.AsyncEngineArgs", ("model", "tokenizer", "dtype", "tensor_parallel_size", "gpu_memory_utilization",
                               "enable_prefix_caching", "enforce_eager", "enable_sleep_mode", "seed",
-                              "trust_remote_code", "worker_extension_cls", "logprobs_mode")),
+                              "trust_remote_code", "worker_extension_cls", "logprobs_mode", "weight_transfer_config")),
     ("vllm.SamplingParams", ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "logprobs", "seed",
                              "skip_special_tokens", "output_kind")),
     ("vllm.inputs.TokensPrompt", ("prompt_token_ids",)),
@@ -67,6 +67,14 @@ VLLM_API: list[tuple[str, tuple[str, ...]]] = [
     ("vllm.v1.engine.async_llm.AsyncLLM.collective_rpc", ("method", "timeout", "args")),
     ("vllm.v1.engine.async_llm.AsyncLLM.reset_prefix_cache", ()),
     ("vllm.v1.engine.async_llm.AsyncLLM.shutdown", ()),
+    # coordinator.weight_sync_impl=vllm (VllmTransferClient): vLLM's own weight-transfer protocol
+    ("vllm.config.WeightTransferConfig", ("backend",)),
+    ("vllm.distributed.weight_transfer.base.WeightTransferInitRequest", ("init_info",)),
+    ("vllm.distributed.weight_transfer.base.WeightTransferUpdateRequest", ("update_info",)),
+    ("vllm.v1.engine.async_llm.AsyncLLM.init_weight_transfer_engine", ("request",)),
+    ("vllm.v1.engine.async_llm.AsyncLLM.start_weight_update", ()),
+    ("vllm.v1.engine.async_llm.AsyncLLM.update_weights", ("request",)),
+    ("vllm.v1.engine.async_llm.AsyncLLM.finish_weight_update", ()),
 ]
 
 
@@ -132,6 +140,9 @@ def build_engine_args(generator_cfg: Any, model_cfg: Any, model_path: str, known
         hints = {k: difflib.get_close_matches(k, sorted(known_fields), n=1) for k in unknown}
         detail = ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items())
         raise ValueError(f"generator.engine_kwargs: not vLLM AsyncEngineArgs field(s): {detail}")
+    wtc = args.get("weight_transfer_config")
+    if isinstance(wtc, dict):  # coordinator.weight_sync_impl=vllm (config validation put it there)
+        args["weight_transfer_config"] = _sym("vllm.config.WeightTransferConfig")(**wtc)
     if not args["enable_sleep_mode"]:
         raise ValueError("generator.engine_kwargs.enable_sleep_mode must stay true (sleep/wake needs it)")
     return args
@@ -295,6 +306,10 @@ class VLLMEngine(PartialRequests, Engine):
         count = len(decode_message(message.plan).tensors)
         await self._rpc("arl_load_ipc", ipc_message_to_bytes(message), expect=count)
 
+    def weight_transfer_client(self) -> "VllmTransferClient":
+        """coordinator.weight_sync_impl=vllm: vLLM's own start/update/finish calls (weights/vllm_native.py)."""
+        return VllmTransferClient(self.llm)
+
     def weight_sync_ranks(self) -> int:
         """How many ranks this engine takes in a broadcast group: one per worker."""
         return int(self.cfg.tensor_parallel_size)
@@ -332,3 +347,24 @@ class VLLMEngine(PartialRequests, Engine):
 
     async def close(self) -> None:
         self.llm.shutdown()
+
+
+class VllmTransferClient:
+    """vLLM's weight-transfer calls on the AsyncLLM, as weights.vllm_native.VllmNativeReceiver drives them:
+    init (once, empty for CUDA IPC) before the first start, then start / update_weights(info) / finish."""
+
+    def __init__(self, llm: Any):
+        self.llm = llm
+        self._ready = False
+
+    async def start_weight_update(self) -> None:
+        if not self._ready:
+            await self.llm.init_weight_transfer_engine(_sym("vllm.distributed.weight_transfer.base.WeightTransferInitRequest")(init_info={}))
+            self._ready = True
+        await self.llm.start_weight_update()
+
+    async def update_weights(self, update_info: dict) -> None:
+        await self.llm.update_weights(_sym("vllm.distributed.weight_transfer.base.WeightTransferUpdateRequest")(update_info=update_info))
+
+    async def finish_weight_update(self) -> None:
+        await self.llm.finish_weight_update()

@@ -172,14 +172,16 @@ class GeneratorShell:
         self._weights_loaded()
         return got
 
-    async def weight_sync_receive(self, message: Any, kind: str = "object_store") -> int | None:
-        """One bucket (or the closing summary) of a bucketed sync; see weights."""
+    async def weight_sync_receive(self, message: Any, kind: str = "object_store", impl: str = "ours") -> int | None:
+        """One bucket (or the closing summary) of a bucketed sync; the receiver half comes from the
+        one factory (weights.strategy)."""
         in_workers = self.gen.engine.loads_in_workers
-        if getattr(self, "_receiver_kind", None) != (kind, in_workers):
-            from weights import make_receiver
+        if getattr(self, "_receiver_kind", None) != (kind, impl, in_workers):
+            from weights.strategy import get_transport
 
-            self._receiver = make_receiver(kind, self.gen.load_weights, self.gen.engine if in_workers else None)
-            self._receiver_kind = (kind, in_workers)
+            transport = get_transport(kind, impl)
+            self._receiver = transport.make_receiver(self.gen.load_weights, self.gen.engine if in_workers else None)
+            self._receiver_kind = (kind, impl, in_workers)
         version = await self._receiver.receive(message)
         if version is not None:
             await self.gen.finish_weight_update(version)

@@ -14,7 +14,7 @@ Invariants:
   rank finished the step, so a rank that dies mid-step leaves it pending for the resumed run.
 - Weight export under ZeRO-3 is collective: every rank iterates its export in lockstep and only
   rank 0's buckets leave (object_store, nccl); with cuda_ipc every rank sends for its own GPU and
-  the per-rank buckets are merged into one message (`weights.merge_ipc_buckets`).
+  the per-rank buckets are merged into one message (the transport's `merge`: weights.strategy).
 
 The group is a plain picklable object (actor handles and numbers), so it travels to the
 coordinator actor like a single handle did.
@@ -40,7 +40,7 @@ class LearnerGroup:
             raise ValueError("a LearnerGroup needs at least one rank")
         self.ranks = list(ranks)
         self.zero_stage = int(zero_stage)
-        self._kind = ""  # the weight-sync transport in flight (weight_sync_start sets it)
+        self._transport = None  # the weight-sync transport in flight (weight_sync_start sets it)
 
     @property
     def world_size(self) -> int:
@@ -158,22 +158,20 @@ class LearnerGroup:
 
     # weight sync: object_store / cuda_ipc (bucket by bucket, driven by the coordinator)
 
-    async def weight_sync_start(self, version: int, kind: str, bucket_mb: int) -> None:
-        self._kind = kind
-        ranks = self.ranks if kind == "cuda_ipc" else self._exporters()
-        await asyncio.gather(*(r.weight_sync_start.remote(version, kind, bucket_mb) for r in ranks))
+    async def weight_sync_start(self, version: int, kind: str, bucket_mb: int, impl: str = "ours") -> None:
+        from weights.strategy import get_transport
+
+        self._transport = get_transport(kind, impl)
+        await asyncio.gather(*(r.weight_sync_start.remote(version, kind, bucket_mb, impl) for r in self._senders()))
+
+    def _senders(self) -> list:
+        return self.ranks if self._transport.all_ranks_send() else self._exporters()
 
     async def weight_sync_next(self):
         if self.world_size == 1:
             return await self._rank0("weight_sync_next")
-        kind = self._kind
-        ranks = self.ranks if kind == "cuda_ipc" else self._exporters()
-        outs = await asyncio.gather(*(r.weight_sync_next.remote() for r in ranks))
-        if kind != "cuda_ipc":
-            return outs[0]  # the other ranks only took part in the gathers
-        from weights import merge_ipc_buckets
-
-        return merge_ipc_buckets(list(outs))
+        outs = await asyncio.gather(*(r.weight_sync_next.remote() for r in self._senders()))
+        return self._transport.merge(list(outs))  # without all_ranks_send, the others only gathered
 
     async def weight_sync_abort(self) -> None:
         await self._all("weight_sync_abort")

@@ -168,16 +168,16 @@ class LearnerShell:
     def sft_step(self, pairs, lr=None) -> float:
         return self.learner.sft_step(pairs, lr=lr)
 
-    def weight_sync_start(self, version: int, kind: str, bucket_mb: int) -> None:
-        import weights as weight_sync
+    def weight_sync_start(self, version: int, kind: str, bucket_mb: int, impl: str = "ours") -> None:
+        """A bucketed sync's sender half, from the one factory (weights.strategy)."""
+        from weights.strategy import get_transport
 
-        if kind == "object_store" and self.rank > 0:
+        transport = get_transport(kind, impl)
+        if self.rank > 0 and not transport.all_ranks_send():
             # ZeRO-3: the gathers are collective; this rank exports in lockstep and drops its buckets.
             self.sender = _ExportOnly(self.learner.export_weights, bucket_mb)
-        elif kind == "object_store":
-            self.sender = weight_sync.ObjectStoreSender(self.learner.export_weights, bucket_mb)
         else:
-            self.sender = weight_sync.CudaIpcSender(lambda mb: self.learner.export_weights(mb, device="cuda"), bucket_mb)
+            self.sender = transport.make_sender(self.learner.export_weights, bucket_mb, rank=self.rank)
         self.sender.start(version)
 
     def weight_sync_listen(self, world_size: int, bucket_mb: int):
