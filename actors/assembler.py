@@ -167,6 +167,8 @@ def step_metrics(groups: list[ScoredGroup], outcomes: dict[str, str]) -> dict[st
 class Assembler:
     """Consumes the scored stream; `collect` turns one step's groups into a TrainBatch."""
 
+    RAY_OPTIONS = {"max_concurrency": 64}  # the coordinator's collect/outcome calls beside the consume loop
+
     def __init__(self, cfg: AssemblerConfig, *, consumer: str = "assembler-0", reclaim_idle_s: float = 30.0,
                  redis_url: str = "", run_id: str = "", high_water: int = 4096):
         self.cfg = cfg

@@ -23,6 +23,7 @@ from typing import Any
 
 from actors.shell import ray_actor
 from config import RunConfig
+from config import layout
 from launch.warm_start import warm_start, will_warm_start
 
 RESTART = dict(max_restarts=-1, max_task_retries=-1)
@@ -41,7 +42,6 @@ def create_actors(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, mo
 
     from actors.assembler import Assembler
     from actors.generator.shell import GeneratorActor
-    from actors.learner.group import LearnerGroup
     from actors.scorer import ScorerActor
     from config.placement import make_placement
 
@@ -55,8 +55,8 @@ def create_actors(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, mo
         hw = cfg.cluster.stream_high_water
         idle = cfg.cluster.reclaim_idle_s
         ranks = placement.by_role("learner")
-        learner = LearnerGroup.create(cfg, model_path, total_steps, str(run_dir), names,
-                                      rank_options=[actor_options(r, groups) for r in ranks])
+        learner = create_learner(cfg, model_path, total_steps, str(run_dir), names,
+                                 rank_options=[actor_options(r, groups) for r in ranks])
         generators = [GeneratorActor.options(name=f"{names}:{slot.name}", **actor_options(slot, groups), **RESTART).remote(
             cfg.generator, cfg.model, model_path, reclaim_idle_s=idle, stream_high_water=hw,
             colocated=cfg.coordinator.mode == "colocated", device_ids=device_ids(slot, gpu_ids))
@@ -65,12 +65,39 @@ def create_actors(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, mo
             cfg.scorer, slot.name, reclaim_idle_s=idle) for slot in placement.by_role("scorer")]
         assembler = ray_actor(Assembler).options(name=f"{names}:assembler",
                                                   **actor_options(placement.actor("assembler"), groups),
-                                                  max_concurrency=64, **RESTART).remote(
+                                                  **RESTART).remote(
             cfg.assembler, consumer="assembler-0", reclaim_idle_s=idle, redis_url=redis_url, run_id=run_id, high_water=hw)
     except BaseException:
         remove_groups(groups)
         raise
     return learner, generators, scorers, assembler, placement, groups
+
+
+def create_learner(cfg: RunConfig, model_path: str, total_steps: int, run_dir: str, names: str,
+                   rank_options: list[dict] | None = None, timeout_s: float | None = None):
+    """The learner's `cfg.learner.num_ranks` rank actors (`<names>:learner-<r>`), handed to a LearnerGroup
+    that joins them into one world. `rank_options[r]`: rank r's Ray `.options()` from its placement slot
+    (num_gpus, num_cpus, scheduling_strategy); None: num_cpus=cfg.learner.num_cpus each, no GPU."""
+    from actors.learner.group import JOIN_TIMEOUT_S, LearnerGroup
+    from actors.learner.shell import LearnerShell
+
+    n = int(cfg.learner.num_ranks)
+    if n < 1:
+        raise ValueError(f"learner.num_ranks must be >= 1, got {n}")
+    if rank_options is not None and len(rank_options) != n:
+        raise ValueError(f"learner.num_ranks={n} but the placement gives {len(rank_options)} learner ranks")
+    ranks = []
+    for r in range(n):
+        opts: dict[str, Any] = dict(name=f"{names}:learner-{r}", num_cpus=cfg.learner.num_cpus, num_gpus=0)
+        opts.update(rank_options[r] if rank_options is not None else {})
+        ranks.append(ray_actor(LearnerShell).options(**opts).remote(
+            cfg.learner, cfg.model, model_path, total_steps, cfg.assembler.micro_batch_tokens,
+            temperature=cfg.generator.temperature, run_dir=str(run_dir), rank=r, world_size=n))
+    try:
+        return LearnerGroup.joined(ranks, cfg.learner.zero_stage, JOIN_TIMEOUT_S if timeout_s is None else timeout_s)
+    except BaseException:
+        LearnerGroup(ranks).kill()
+        raise
 
 
 def place_and_run(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_path: str,
@@ -102,7 +129,7 @@ def _drive(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_pat
         loops += [s.run.remote(redis_url, run_id, hw) for s in scorers]
         ray.get(assembler.start.remote(redis_url, run_id, hw))
         asyncio.run(learner.connect(redis_url, run_id))
-        coordinator = ray_actor(Coordinator).options(name=f"{names}:coordinator", max_concurrency=8,
+        coordinator = ray_actor(Coordinator).options(name=f"{names}:coordinator",
                                                       **actor_options(placement.actor("coordinator"), groups)).remote(
             cfg, run_id, str(run_dir), redis_url, train_items, eval_items, generators=generators, learner=learner,
             assembler=assembler, metrics_logger=None)
@@ -136,7 +163,7 @@ def _drive_coordinator(cfg: RunConfig, run_id: str, run_dir: Path, model_path: s
         sft = warm_start(cfg, learner, train_items, model_path, log)
         ray.get(coordinator.initial_sync.remote(sft))
     done = coordinator.run.remote()
-    metrics = run_dir / "metrics.jsonl"  # a resumed run prints only its own rows
+    metrics = layout.metrics_file(run_dir)  # a resumed run prints only its own rows
     progress = Progress(run_dir, cfg.coordinator.steps,
                         seen=len(metrics.read_text().splitlines()) if cfg.coordinator.resume and metrics.exists() else 0)
     while True:

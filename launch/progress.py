@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from config import layout
+
 
 class Progress:
     def __init__(self, run_dir: Path, total_steps: int, seen: int = 0):
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = layout.metrics_file(run_dir)
         self.total = int(total_steps)
         self.seen = seen
         self.step_times: list[float] = []
@@ -66,7 +68,7 @@ class Progress:
 def summary(run_dir: Path) -> str:
     """'held-out: reward 0.201 -> 0.358, greedy accuracy 0.250 -> 0.432 (evals at steps -1 and 99)',
     from the first and last metrics rows that carry held-out numbers ("" when none do)."""
-    path = Path(run_dir) / "metrics.jsonl"
+    path = layout.metrics_file(run_dir)
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
     evals = [r for r in rows if r.get("eval_reward_mean") is not None or r.get("eval_accuracy") is not None]
     if not evals:

@@ -30,6 +30,8 @@ import math
 import sys
 from pathlib import Path
 
+from config import layout
+
 PANELS: list[tuple[str, list[str], str]] = [
     ("reward", ["eval_reward_mean", "reward_mean"], "reward"),
     ("accuracy", ["eval_accuracy", "accuracy"], "fraction"),
@@ -134,7 +136,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    rows = with_timing_groups(load_rows(run_dir / "metrics.jsonl"))
+    rows = with_timing_groups(load_rows(layout.metrics_file(run_dir)))
     panels = panels_for(rows)
     if not panels:
         raise ReportError(f"{run_dir / 'metrics.jsonl'} has none of reward_mean, eval_accuracy, accuracy, "
@@ -177,7 +179,7 @@ LABEL_KEYS = (("seed", "seed"), ("generator.max_turns", "max_turns"))  # config 
 
 def _config_value(run_dir: Path, dotted: str):
     try:
-        value = json.loads((run_dir / "config.json").read_text())
+        value = json.loads(layout.config_file(run_dir).read_text())
     except (OSError, ValueError):
         return None
     for part in dotted.split("."):
@@ -200,7 +202,7 @@ def write_comparison(run_dirs: list, out: str | Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     dirs = [Path(d) for d in run_dirs]
-    runs = [(d, load_rows(d / "metrics.jsonl")) for d in dirs]
+    runs = [(d, load_rows(layout.metrics_file(d))) for d in dirs]
     keys = [("eval_reward_mean", "held-out reward (sampled)"), ("eval_accuracy", "held-out accuracy (greedy)"),
             ("reward_mean", f"training reward (mean of last {SMOOTH})")]
     if not any(series(rows, k)[0] for _, rows in runs for k, _ in keys):

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from config import ConfigError, RunConfig, check_inputs
+from config import layout
 from queues.errors import one_line  # noqa: F401 - launch.run.one_line for the CLI and preflight
 from tasks.bird import BirdDataError
 from launch.commands import command
@@ -42,7 +43,7 @@ def resolve_run_dir(cfg: RunConfig) -> tuple[str, Path]:
     root = Path(cfg.run_root).absolute()
     run_id = cfg.run_id
     if cfg.coordinator.resume and not run_id:
-        runs = sorted((p for p in root.glob(f"{cfg.name}-*") if (p / "checkpoints" / "latest").exists()),
+        runs = sorted((p for p in root.glob(f"{cfg.name}-*") if layout.latest_marker(p).exists()),
                       key=lambda p: p.stat().st_mtime)
         if not runs:
             raise ConfigError(f"config key 'coordinator.resume': no checkpointed run named {cfg.name}-* under {root}")
@@ -72,7 +73,7 @@ def prepare_model_and_data(cfg: RunConfig, run_dir: Path, log) -> tuple[str, str
     if cfg.data.synthetic:
         from tasks.synthetic import write_dataset
 
-        bird_dir = str(run_dir / "data")
+        bird_dir = str(layout.data_dir(run_dir))
         if not (Path(bird_dir) / "train.json").exists():
             log.info("building synthetic task", dir=bird_dir, databases=cfg.data.synthetic_databases,
                      questions=cfg.data.synthetic_questions)
@@ -84,7 +85,7 @@ def prepare_model_and_data(cfg: RunConfig, run_dir: Path, log) -> tuple[str, str
         from tasks.synthetic import texts_for_tokenizer
         from tasks.tiny_model import build_tiny
 
-        model_path = str(run_dir / "model")
+        model_path = str(layout.model_dir(run_dir))
         log.info("building tiny tokenizer and model", dir=model_path)
         from transformers.utils import logging as hf_logging
 
@@ -132,7 +133,7 @@ def _log_failure(run_dir: Path, e: BaseException) -> None:
     import traceback
 
     try:
-        with open(run_dir / "logs" / "launcher.jsonl", "a") as f:
+        with open(layout.log_file(run_dir, "launcher"), "a") as f:
             from queues.streams import redact
 
             f.write(json.dumps({"event": "run failed", "level": "error", "error": one_line(e),
@@ -293,7 +294,7 @@ def run(cfg: RunConfig) -> int:
     log = setup_logging(run_dir, "launcher", level=cfg.logging.level, console=cfg.logging.console)
     from queues.streams import redact
 
-    (run_dir / "config.json").write_text(redact(msgspec.json.format(msgspec.json.encode(cfg), indent=2).decode()))
+    layout.config_file(run_dir).write_text(redact(msgspec.json.format(msgspec.json.encode(cfg), indent=2).decode()))
     redis_server = None
     interrupted = {"flag": False}
 
@@ -319,7 +320,7 @@ def run(cfg: RunConfig) -> int:
         log.info("run finished", **{k: v for k, v in result.items() if k != "outcomes"}, **{
             f"prompts_{k}": v for k, v in result["outcomes"].items()})
         print(summary(run_dir), flush=True)
-        print(f"run directory: {run_dir}\nmetrics: {run_dir / 'metrics.jsonl'}\n"
+        print(f"run directory: {run_dir}\nmetrics: {layout.metrics_file(run_dir)}\n"
               f"plot: {command('launch.report', run_dir)}" + next_steps(run_dir, bird_dir, cfg.data.eval_split),
               flush=True)
         return 0
@@ -328,7 +329,7 @@ def run(cfg: RunConfig) -> int:
         log.warning("interrupted: shutting down")
         return 130
     except (ConfigError, BirdDataError) as e:
-        if fresh and not (run_dir / "metrics.jsonl").exists():
+        if fresh and not layout.metrics_file(run_dir).exists():
             shutil.rmtree(run_dir, ignore_errors=True)  # bad input: leave no empty run directory behind
         else:
             _log_failure(run_dir, e)

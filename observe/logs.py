@@ -13,6 +13,8 @@ from pathlib import Path
 
 import structlog
 
+from config import layout
+
 _configured: dict[str, object] = {}
 
 
@@ -37,9 +39,9 @@ def setup_logging(run_dir: str | Path | None = None, name: str = "launcher", *, 
                   console: bool = True) -> structlog.BoundLogger:
     path = None
     if run_dir is not None:
-        logs = Path(run_dir) / "logs"
+        logs = layout.logs_dir(run_dir)
         logs.mkdir(parents=True, exist_ok=True)
-        path = logs / f"{name}.jsonl"
+        path = layout.log_file(run_dir, name)
     key = f"{path}:{console}:{level}"
     if _configured.get("key") != key:
         structlog.configure(

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from config import layout
+
 
 class MetricError(TypeError):
     pass
@@ -33,7 +35,7 @@ def scalars(metrics: dict[str, Any]) -> dict[str, float]:
 class MetricsLogger:
     def __init__(self, run_dir: str | Path, *, console: bool = True, wandb_cfg: dict | None = None,
                  run_config: dict | None = None, log=None):
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = layout.metrics_file(run_dir)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(self.path, "a", buffering=1)
         self.console = console
@@ -64,7 +66,7 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
+    path = layout.metrics_file(run_dir)
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from config import layout
+
 
 class RedisServerError(RuntimeError):
     pass
@@ -84,7 +86,7 @@ class EmbeddedRedis:
 
     def __init__(self, run_dir: str | os.PathLike, *, persistence: bool = False, tcp_port: int | None = None,
                  password: str | None = None, startup_timeout_s: float = 10.0):
-        self.dir = Path(run_dir).absolute() / "redis"
+        self.dir = layout.redis_dir(Path(run_dir).absolute())
         self.persistence = persistence
         self.tcp_port = tcp_port
         self.password = password

@@ -92,7 +92,7 @@ def ranks_vs_one(model_dir, tmp_path_factory):
     import asyncio
 
     from actors.learner.learner import Learner
-    from actors.learner.group import LearnerGroup
+    from launch.place import create_learner
     from queues.messages import TrainBatch, codec
     from queues.redis_server import EmbeddedRedis
     from queues.streams import Stream, connect
@@ -113,7 +113,7 @@ def ranks_vs_one(model_dir, tmp_path_factory):
             m1 = one.train_step(batch)
             one.export_hf(str(root / f"one{stage}"))
             del one
-            group = LearnerGroup.create(cfg, model_dir, 10, str(root), f"z{stage}")
+            group = create_learner(cfg, model_dir, 10, str(root), f"z{stage}")
             try:
                 asyncio.run(group.connect(redis.url, f"z{stage}"))
                 asyncio.run(publish(redis.url, f"z{stage}"))

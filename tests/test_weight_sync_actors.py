@@ -46,7 +46,7 @@ def _learner_generators_coordinator(tmp_path, weight_sync: str, colocated: list[
     cfg = apply_overrides(tiny(), [])
     cfg.coordinator.weight_sync = weight_sync
     model_dir = build_tiny(str(tmp_path / "model"), model_cfg=cfg.model, seed=0)
-    learner = LearnerActor.options(max_concurrency=4, num_cpus=0).remote(
+    learner = LearnerActor.options(num_cpus=0).remote(
         cfg.learner, cfg.model, model_dir, 10, cfg.assembler.micro_batch_tokens)
     gens = [GeneratorActor.options(num_cpus=0, **RESTART).remote(cfg.generator, cfg.model, model_dir, colocated=flag)
             for flag in colocated]

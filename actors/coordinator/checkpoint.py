@@ -17,6 +17,7 @@ from pathlib import Path
 
 from actors.coordinator.cursor import DataCursor
 from actors.shell import call
+from config import layout
 from queues.messages import is_eval_task, task_step
 
 
@@ -24,7 +25,7 @@ class Checkpointing:
     """save_checkpoint / export_hf / latest_checkpoint / resume_from for the Coordinator."""
 
     def checkpoint_dir(self, step: int) -> Path:
-        return self.run_dir / "checkpoints" / f"step_{step:06d}"
+        return layout.checkpoint_dir(self.run_dir, step)
 
     async def save_checkpoint(self, step: int) -> Path:
         """DeepSpeed checkpoint + cursor, then the HF export of the same weights (hf/step_<step+1>),
@@ -42,9 +43,9 @@ class Checkpointing:
                  "resyncs": getattr(self, "resyncs", 0)}
         write_atomic(path / "coordinator.json", json.dumps(state))
         await self.export_hf(step + 1)
-        write_atomic(self.run_dir / "checkpoints" / "latest", path.name)
-        pruned = prune_checkpoints(self.run_dir / "checkpoints", self.cfg.coordinator.keep_checkpoints)
-        pruned += prune_exports(self.run_dir / "hf", self.cfg.coordinator.keep_exports)
+        write_atomic(layout.latest_marker(self.run_dir), path.name)
+        pruned = prune_checkpoints(layout.checkpoints_dir(self.run_dir), self.cfg.coordinator.keep_checkpoints)
+        pruned += prune_exports(layout.exports_dir(self.run_dir), self.cfg.coordinator.keep_exports)
         if pruned and self.log is not None:
             self.log.info("checkpoints pruned", removed=[f"{p.parent.name}/{p.name}" for p in pruned],
                           keep=self.cfg.coordinator.keep_checkpoints, keep_exports=self.cfg.coordinator.keep_exports)
@@ -63,7 +64,7 @@ class Checkpointing:
 
     @staticmethod
     def latest_checkpoint(run_dir: Path) -> Path | None:
-        marker = Path(run_dir) / "checkpoints" / "latest"
+        marker = layout.latest_marker(run_dir)
         if not marker.exists():
             return None
         path = marker.parent / marker.read_text().strip()

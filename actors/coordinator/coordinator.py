@@ -46,6 +46,8 @@ from queues.messages import EVAL_PREFIX, Event, PromptTask, codec, eval_task_id,
 class Coordinator(WeightSyncHandshake, Checkpointing):
     """The step loop (this module's docstring); the weight-sync handshake and checkpoints are mixins."""
 
+    RAY_OPTIONS = {"max_concurrency": 8}  # the launcher's calls (attach_metrics, stats, stop) beside run()
+
     def __init__(self, cfg: RunConfig, run_id: str, run_dir: str, redis_url: str, train_items: list, eval_items: list,
                  *, generators: list, learner: Any, assembler: Any, metrics_logger=None, log=None):
         if cfg.coordinator.weight_sync == "auto":

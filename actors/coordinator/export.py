@@ -28,6 +28,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from config import layout
+
 SETTINGS_FILE = "arctic_rl.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # Files of the source model directory an export needs besides the weights and config.
@@ -48,7 +50,7 @@ class ExportError(ValueError):
 
 def export_dir(run_dir: str | Path, steps_done: int) -> Path:
     """Where the weights after `steps_done` training steps go: <run_dir>/hf/step_<N>."""
-    return Path(run_dir) / "hf" / f"step_{int(steps_done)}"
+    return layout.export_dir(run_dir, steps_done)
 
 
 def _tmp_name(final: Path) -> Path:
@@ -101,7 +103,7 @@ def write_atomic(path: str | Path, text: str) -> None:
 def source_model_dir(cfg: Any, run_dir: str | Path) -> Path | None:
     """The directory the run's model (and tokenizer) came from: the tiny build under the run, or model.path."""
     if cfg.model.source == "tiny":
-        return Path(run_dir) / "model"
+        return layout.model_dir(run_dir)
     src = cfg.model.tokenizer or cfg.model.path
     return Path(src) if src and Path(src).is_dir() else None
 
@@ -187,6 +189,6 @@ def read_settings(model_dir: str | Path) -> dict[str, Any]:
 
 def latest_export(run_dir: str | Path) -> Path | None:
     """The export with the most steps under <run_dir>/hf (None when there is none)."""
-    root = Path(run_dir) / "hf"
+    root = layout.exports_dir(run_dir)
     found = [(int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else []) if (m := _STEP_DIR.match(p.name))]
     return max(found)[1] if found else None

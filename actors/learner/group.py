@@ -1,11 +1,11 @@
 """The learner as a group of rank actors: one torch.distributed world, DeepSpeed data parallel.
 
 Invariants:
-- Rank i is the Ray actor `<names>:learner-<i>`, one process each (on GPU one GPU each); rank 0 is
-  `ranks[0]`. A world of one keeps its in-process HashStore (no socket at all).
+- Rank i is the Ray actor `<names>:learner-<i>`, one process each (on GPU one GPU each), created by the
+  launcher (launch/place.py create_learner), never by the group; rank 0 is `ranks[0]`. A world of one keeps its in-process HashStore (no socket at all).
 - A world of N rendezvous on a TCPStore that rank 0 binds on its node's address (never on every
   interface) and a free port; the other ranks connect to it. Every wait is bounded: the store's
-  and the process group's timeouts, and `create` waits at most `timeout_s` for the ranks to join.
+  and the process group's timeouts, and `joined` waits at most `timeout_s` for the ranks to join.
 - Every method the coordinator and the launcher call is an `async def` that fans out to every rank
   that must take part (collectives: every rank; the stream, the step ledger: rank 0 only) and
   returns rank 0's result. The coordinator's `call()` awaits it like an actor method.
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 import structlog
 
@@ -47,32 +46,11 @@ class LearnerGroup:
         return len(self.ranks)
 
     @classmethod
-    def create(cls, cfg, model_path: str, total_steps: int, run_dir: str, names: str,
-               rank_options: list[dict] | None = None, timeout_s: float = JOIN_TIMEOUT_S) -> "LearnerGroup":
-        """Starts `cfg.learner.num_ranks` rank actors and (world > 1) waits until all joined one world.
-
-        `rank_options[i]`: extra Ray `.options()` for rank i (num_gpus, num_cpus, scheduling_strategy);
-        None: num_cpus=cfg.learner.num_cpus each, no GPU.
-        """
-        import ray
-
-        from actors.learner.shell import LearnerActor
-
-        n = int(cfg.learner.num_ranks)
-        if n < 1:
-            raise ValueError(f"learner.num_ranks must be >= 1, got {n}")
-        if rank_options is not None and len(rank_options) != n:
-            raise ValueError(f"learner.num_ranks={n} but the placement gives {len(rank_options)} learner ranks")
-        ranks = []
-        for r in range(n):
-            opts: dict[str, Any] = dict(max_concurrency=4, name=f"{names}:learner-{r}", num_cpus=cfg.learner.num_cpus,
-                                        num_gpus=0)
-            opts.update(rank_options[r] if rank_options is not None else {})
-            ranks.append(LearnerActor.options(**opts).remote(
-                cfg.learner, cfg.model, model_path, total_steps, cfg.assembler.micro_batch_tokens,
-                temperature=cfg.generator.temperature, run_dir=str(run_dir), rank=r, world_size=n))
-        group = cls(ranks, cfg.learner.zero_stage)
-        if n > 1:
+    def joined(cls, ranks: list, zero_stage: int = 0, timeout_s: float = JOIN_TIMEOUT_S) -> "LearnerGroup":
+        """The group over rank actors the launcher created (launch/place.py create_learner), rank 0
+        first; a world > 1 waits until all joined one world (at most `timeout_s`)."""
+        group = cls(ranks, zero_stage)
+        if group.world_size > 1:
             group._join(timeout_s)
         return group
 

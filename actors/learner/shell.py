@@ -50,6 +50,8 @@ class LearnerShell:
     `join`, once rank 0 `listen`s (actors/learner/group.py drives that).
     """
 
+    RAY_OPTIONS = {"max_concurrency": 4}  # weight-sync and stats calls beside a training step
+
     def __init__(self, learner_cfg, model_cfg, model_path: str, total_steps: int, micro_batch_tokens: int,
                  temperature: float = 1.0, run_dir: str = "", rank: int = 0, world_size: int = 1):
         import torch
