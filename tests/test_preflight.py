@@ -103,8 +103,11 @@ def test_launcher_builds_the_plan_s_placement_fake_gpu_actors_stand_in(cluster_3
     for module, name in ((actors.generator.shell, "GeneratorActor"), (actors.learner.shell, "LearnerActor"),
                          (actors.scorer, "ScorerActor")):
         monkeypatch.setattr(module, name, ray.remote(_StandIn))
+    monkeypatch.setattr(actors.learner.shell, "LearnerShell", _StandIn)  # the launcher creates the ranks
     monkeypatch.setattr(actors.assembler, "Assembler", _StandIn)
-    cfg = get_recipe("bird_1p7b")
+    from config import apply_overrides
+
+    cfg = apply_overrides(get_recipe("bird_1p7b"), [])  # validated: learner.num_ranks is the placement's
     plan = make_plan(cfg)  # what --dry-run prints
     learner, generators, scorers, assembler, placement, groups = create_actors(
         cfg, "launch-test", tmp_path, "", "/no/model", 1, names="launch-test")
