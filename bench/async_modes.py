@@ -124,7 +124,7 @@ class SimLearner:
 class SimGenerator(Generator):
     """The real Generator; a sync's summary is the whole of a weight update here."""
 
-    async def weight_sync_receive(self, message, kind: str = "object_store"):
+    async def weight_sync_receive(self, message, kind: str = "object_store", impl: str = "ours"):
         if isinstance(message, SyncSummary):
             await self.finish_weight_update(message.version)
             return message.version
