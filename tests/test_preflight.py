@@ -159,9 +159,12 @@ def _place_looping(monkeypatch, tmp_path, name: str):
     for module, attr in ((actors.generator.shell, "GeneratorActor"), (actors.learner.shell, "LearnerActor"),
                          (actors.scorer, "ScorerActor")):
         monkeypatch.setattr(module, attr, ray.remote(_Looping))
+    monkeypatch.setattr(actors.learner.shell, "LearnerShell", _Looping)  # the launcher creates the ranks
     monkeypatch.setattr(actors.assembler, "Assembler", _Looping)
-    learner, generators, scorers, assembler, _, groups = create_actors(get_recipe("gpu1_0p6b"), name, tmp_path, "",
-                                                                       "/no/model", 1, names=name)
+    from config import apply_overrides
+
+    learner, generators, scorers, assembler, _, groups = create_actors(
+        apply_overrides(get_recipe("gpu1_0p6b"), []), name, tmp_path, "", "/no/model", 1, names=name)
     loops = [a.run.remote() for a in [*generators, *scorers]]
     ray.get([a.report.remote() for a in [*generators, *scorers, assembler, *learner.ranks]], timeout=120)
     return learner, generators, scorers, assembler, groups, loops
