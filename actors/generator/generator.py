@@ -190,9 +190,11 @@ class Generator:
             from actors.generator.episode import EpisodeRunner
             from tasks.executor import ToolExecutor
 
-            c = self.cfg
-            executor = ToolExecutor(workers=c.tool_workers, timeout_s=c.tool_timeout_s or 30.0,
-                                    max_rows=c.tool_max_rows or 100_000)
+            from config import ScorerConfig
+
+            c, scorer = self.cfg, ScorerConfig()  # 0 (a config built without validation): the scorer's defaults
+            executor = ToolExecutor(workers=c.tool_workers, timeout_s=c.tool_timeout_s or scorer.timeout_s,
+                                    max_rows=c.tool_max_rows or scorer.max_rows)
             self.episodes = EpisodeRunner(self.engine, c, self._tokenizer or self.engine.tokenizer, executor)
         return self.episodes
 
