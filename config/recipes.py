@@ -54,16 +54,19 @@ def tiny() -> RunConfig:
 @recipe
 def tiny_mt() -> RunConfig:
     """tiny as multi-turn episodes (issue 24): the model may run up to 2 queries and see their rows or
-    error before it answers (generator.max_turns=3); its warm start makes half of its examples
-    error-then-fix episodes (model.tiny_sft_episodes=0.5: a misspelt query, its real error, then the
-    answer), with the same gold/slip mixture of final answers as tiny's. The answer budget grows to fit
-    a failed query and its observation before the answer. Compare with tiny (one turn) at the same steps."""
+    error before it answers (generator.max_turns=3). Half of its warm start's examples are look-then-fix
+    episodes (model.tiny_sft_episodes=0.5, model.tiny_sft_revise=1): the first query is the one-shot
+    warm start's own draw (the template's slip 60 % of the time, else the gold SQL), its real rows the
+    observation, the gold SQL the answer; the other half are direct answers with tiny's gold/slip
+    mixture. The answer budget grows to fit a query and its observation before the answer. Compare with
+    tiny (one turn) at the same steps: `python -m bench.tiny_turns`."""
     cfg = tiny()
     cfg.name = "tiny_mt"
     cfg.generator.max_turns = 3
     cfg.generator.max_tokens = 160
     cfg.generator.max_observation_tokens = 32
     cfg.model.tiny_sft_episodes = 0.5
+    cfg.model.tiny_sft_revise = 1.0
     cfg.assembler.micro_batch_tokens = 8192
     return cfg
 

@@ -79,6 +79,10 @@ class ModelConfig(_Section):
     # Of those episodes, the share whose first query misspells a quoted value instead of a name: it runs
     # and shows no rows (or a 0 / NULL aggregate) before the answer fixes it.
     tiny_sft_value_slips: float = 0.0
+    # Of those episodes, the share that are look-then-fix episodes (taking precedence over the two kinds
+    # above): the first query is the one-shot draw (the template's slip with probability tiny_sft_slip,
+    # else the gold SQL), its real rows the observation, and the answer always the gold SQL.
+    tiny_sft_revise: float = 0.0
 
 
 class GeneratorConfig(_Section):

@@ -16,6 +16,11 @@ error as an observation with loss mask 0, then the same answer the one-shot draw
 warm starts end on the same answer mixture and only the chance to see an error and retry differs.
 With `model.tiny_sft_value_slips` = v > 0, a share v of those episodes misspells a quoted value instead:
 the first query runs and shows no rows (or a 0 / NULL aggregate) before the answer.
+With `model.tiny_sft_revise` = r > 0, a share r of the episodes are look-then-fix episodes instead: the
+first query is the one-shot draw (the slip with probability p, else the gold SQL), its real rows the
+observation, and the answer the gold SQL; then the episode's final answer is always gold (so its answer
+mixture is cleaner than a direct answer's: that, the chance to see a first guess's rows and retry, is
+what these episodes teach).
 """
 from __future__ import annotations
 
@@ -91,15 +96,18 @@ class _Episodes:
         self.tok = AutoTokenizer.from_pretrained(model_path)
         self.max_obs = cfg.generator.max_observation_tokens
         self.p_value = cfg.model.tiny_sft_value_slips
+        self.p_revise = cfg.model.tiny_sft_revise
 
     def example(self, item, prompt: list[int], use_slip: bool, error_first: bool, rng) -> tuple:
         """(prompt ids, response ids, loss mask): a slip-then-fix episode when `error_first` (and a
         misspelling of the answer errors, or, for a share `model.tiny_sft_value_slips`, a misspelt value
         shows other rows), else the direct answer."""
         from tasks.synthetic import slipped
-        from tasks.synthetic_episodes import episode_target
+        from tasks.synthetic_episodes import episode_target, revise_target
 
         answer = (slipped(item.gold_sql) if use_slip else None) or item.gold_sql
+        if error_first and self.p_revise > 0 and rng.random() < self.p_revise:
+            return (prompt, *revise_target(self.tok, answer, item.gold_sql, item.db_path, self.max_obs))
         kind = "value" if error_first and self.p_value > 0 and rng.random() < self.p_value else "identifier"
         got = (episode_target(self.tok, answer, item.db_path, rng, self.max_obs, True, kind)
                if error_first else None)

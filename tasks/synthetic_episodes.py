@@ -14,6 +14,15 @@ first query misspells a quoted value, so it runs and shows no rows (or a 0 / NUL
     <observation> COUNT(*)\n0\n(1 row) </observation>
      {the answer} <eos>
 
+or, with kind="revise" (a share `model.tiny_sft_revise` of them), a look-then-fix episode whose first
+query is the one-shot warm start's own draw (the template's slip with probability `model.tiny_sft_slip`,
+else the gold SQL), run for real, and whose answer is always the gold SQL: the model learns to try its
+first guess, see what it returns, and then answer right (after a gold first query the answer repeats it):
+
+    <sql>SELECT item_id FROM item WHERE genre = 'Poetry'</sql>   (the slip: ids where names were asked)
+    <observation> item_id\n4\n17\n(2 rows) </observation>
+     SELECT name FROM item WHERE genre = 'Poetry' <eos>
+
 and a direct episode is just " {the answer} <eos>" (one turn), where the answer is the gold SQL or, with
 `model.tiny_sft_slip`, its template's slip, exactly as the one-shot warm start draws it (so the final
 answers of both warm starts have the same mixture: only the chance to see an error and retry differs).
@@ -22,7 +31,8 @@ Invariants:
 - Token ids are built by concatenation, never by re-tokenizing the episode: the tool block and the
   answer are tokenized as the model would have sampled them, the observation alone
   (policies.episode.observation_ids), so the warm start teaches exactly the ids the generator builds.
-- The observation is the real result of running the misspelt query read-only on the example's own
+- The observation is the real result (of a revise episode's first query too: a first query that
+  errors or times out shows its error) of running the misspelt query read-only on the example's own
   database (tasks/sandbox.execute_readonly); a misspelt name that still runs, or a misspelt value
   whose query errors or returns the answer's own rows, is not used.
 - Pure given its inputs and `rng`; only training prompts are used.
@@ -40,7 +50,7 @@ _KEYWORDS = {"SELECT", "FROM", "WHERE", "GROUP", "ORDER", "LIMIT", "INNER", "JOI
 
 
 _VALUE = re.compile(r"'([A-Za-z]{3,})'")
-KINDS = ("identifier", "value")
+KINDS = ("identifier", "value", "revise")
 
 
 def _swap(sql: str, span: tuple[int, int], rng: random.Random) -> str | None:
@@ -72,6 +82,24 @@ def encode(tokenizer, text: str) -> list[int]:
     return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
+def _episode(tokenizer, first: str, result, final: list[int], max_observation_tokens: int) -> tuple[list[int], list[int]]:
+    """<sql>first</sql> + its observation (mask 0) + the final answer's ids."""
+    call = encode(tokenizer, ep.TOOL_OPEN + first + ep.TOOL_CLOSE)
+    obs = ep.observation_ids(tokenizer, ep.observation_text(result.status, result.columns, result.rows, result.error),
+                             max_observation_tokens)
+    return call + obs + final, [1] * len(call) + [0] * len(obs) + [1] * len(final)
+
+
+def revise_target(tokenizer, first: str, gold: str, db_path: str, max_observation_tokens: int) -> tuple[list[int], list[int]]:
+    """(response ids, loss mask) of a look-then-fix episode: `first` (the one-shot draw: the template's slip
+    or the gold SQL) as a query, its real rows (or error) as the observation, then `gold` as the answer."""
+    from tasks.sandbox import execute_readonly
+
+    final = encode(tokenizer, " " + gold) + [tokenizer.eos_token_id]
+    result = execute_readonly(db_path, first, timeout_s=5.0, max_rows=1000)
+    return _episode(tokenizer, first, result, final, max_observation_tokens)
+
+
 def episode_target(tokenizer, answer: str, db_path: str, rng: random.Random, max_observation_tokens: int,
                    error_first: bool, kind: str = "identifier") -> tuple[list[int], list[int]] | None:
     """(response ids, loss mask) of one warm-start episode answering `answer`: with `error_first`, a
@@ -80,8 +108,8 @@ def episode_target(tokenizer, answer: str, db_path: str, rng: random.Random, max
     misspelling of `answer` exists; else the direct answer."""
     from tasks.sandbox import execute_readonly
 
-    if kind not in KINDS:
-        raise ValueError(f"episode_target: kind must be one of {KINDS}, got {kind!r}")
+    if kind not in KINDS[:2]:
+        raise ValueError(f"episode_target: kind must be one of {KINDS[:2]} (revise: revise_target), got {kind!r}")
     final = encode(tokenizer, " " + answer) + [tokenizer.eos_token_id]
     if not error_first:
         return final, [1] * len(final)
@@ -97,7 +125,4 @@ def episode_target(tokenizer, answer: str, db_path: str, rng: random.Random, max
         right = execute_readonly(db_path, answer, timeout_s=5.0, max_rows=1000)
         if right.status == "ok" and sorted(map(repr, right.rows)) == sorted(map(repr, result.rows)):
             return None  # the misspelt value changes nothing visible: nothing to fix
-    call = encode(tokenizer, ep.TOOL_OPEN + bad + ep.TOOL_CLOSE)
-    obs = ep.observation_ids(tokenizer, ep.observation_text(result.status, result.columns, result.rows, result.error),
-                             max_observation_tokens)
-    return call + obs + final, [1] * len(call) + [0] * len(obs) + [1] * len(final)
+    return _episode(tokenizer, bad, result, final, max_observation_tokens)

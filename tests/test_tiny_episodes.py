@@ -98,3 +98,33 @@ def test_value_slip_episode_runs_shows_other_rows_and_is_built_by_concatenation(
 def test_value_slip_share_out_of_range_is_a_one_line_config_error():
     with pytest.raises(ConfigError, match="model.tiny_sft_value_slips"):
         apply_overrides(get_recipe("tiny_mt"), ["model.tiny_sft_value_slips=1.5"])
+
+
+def test_revise_episode_runs_the_first_guess_for_real_and_answers_gold(data):
+    """kind "revise" (model.tiny_sft_revise): the one-shot draw (the template's slip here) as the query,
+    its real rows as the masked observation, the gold SQL as the answer; built by concatenation."""
+    from tasks.synthetic import slipped
+    from tasks.synthetic_episodes import revise_target
+
+    questions, tok = data
+    made = 0
+    for q in questions[:30]:
+        slip = slipped(q.sql)
+        if slip is None:
+            continue
+        ids, mask = revise_target(tok, slip, q.sql, q.db_path, 32)
+        ran = execute_readonly(q.db_path, slip, 5.0, 1000)
+        call = tok(ep.TOOL_OPEN + slip + ep.TOOL_CLOSE, add_special_tokens=False)["input_ids"]
+        obs = ep.observation_ids(tok, ep.observation_text(ran.status, ran.columns, ran.rows, ran.error), 32)
+        final = tok(" " + q.sql, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        assert ran.status == "ok" and ids == call + obs + final
+        assert mask == [1] * len(call) + [0] * len(obs) + [1] * len(final)
+        made += 1
+    assert made >= 10
+    same, mask = revise_target(tok, questions[0].sql, questions[0].sql, questions[0].db_path, 32)  # a gold first guess
+    assert ep.tool_query(tok.decode(same[:mask.index(0)])) == questions[0].sql
+
+
+def test_revise_share_out_of_range_is_a_one_line_config_error():
+    with pytest.raises(ConfigError, match="model.tiny_sft_revise"):
+        apply_overrides(get_recipe("tiny_mt"), ["model.tiny_sft_revise=-0.1"])
