@@ -8,7 +8,8 @@ With `model.tiny_sft_slip` = p > 0, each drawn pair's target is its template's s
 (tasks.synthetic.SLIPS: SQL that runs but answers another question) with probability p, drawn anew at
 every draw, so the warm policy learns a mixture (the gold answer about 1 - p of the time) rather than
 which prompt had which label; prompts of no template keep their gold SQL. Only training prompts are
-used: the held-out split is never seen here. In a colocated run the launcher puts the engines to sleep
+used: the held-out split is never seen here. A step's draws are `step_draws` (importable without the
+project's config or msgspec: bench/gpu_warm_start.py replays them on a device that has only torch). In a colocated run the launcher puts the engines to sleep
 before it (launch/place.py), so the warm start never shares the device with a resident engine.
 With generator.max_turns > 1 and `model.tiny_sft_episodes` = q > 0, each drawn example is, with
 probability q, an error-then-fix episode (tasks/synthetic_episodes.py: a misspelt query, its real
@@ -25,8 +26,10 @@ what these episodes teach).
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Iterator
 
-from config import RunConfig
+if TYPE_CHECKING:  # importable without config (msgspec), see the module docstring
+    from config import RunConfig
 
 
 def sft_pairs(cfg: RunConfig, items: list, model_path: str) -> list[tuple[list[int], list[int], list[int] | None]]:
@@ -46,6 +49,14 @@ def sft_pairs(cfg: RunConfig, items: list, model_path: str) -> list[tuple[list[i
         slip = slipped(it.gold_sql) if cfg.model.tiny_sft_slip > 0 else None
         pairs.append((unpack_ids(it.prompt_tokens).tolist(), target(it.gold_sql), target(slip) if slip else None))
     return pairs
+
+
+def step_draws(pairs: list, rng, batch: int, p_slip: float) -> Iterator[tuple[int, bool]]:
+    """One warm-start step's draws from `rng`: (index into `pairs`, whether its target is the slip), `batch`
+    distinct pairs, each slipped with probability `p_slip` where it has a slip (pairs[k][2] not None). Lazy,
+    so a caller may draw more from `rng` between two draws (the episodes do) and a rerun stays the same."""
+    for k in rng.sample(range(len(pairs)), min(batch, len(pairs))):
+        yield k, pairs[k][2] is not None and rng.random() < p_slip
 
 
 def will_warm_start(cfg: RunConfig) -> bool:
@@ -68,9 +79,8 @@ def warm_start(cfg: RunConfig, learner, items: list, model_path: str, log) -> di
     start = time.perf_counter()
     for i in range(steps):
         chunk = []
-        for k in rng.sample(range(len(pairs)), min(batch, len(pairs))):
+        for k, use_slip in step_draws(pairs, rng, batch, p_slip):
             prompt, gold, slip = pairs[k]
-            use_slip = slip is not None and rng.random() < p_slip
             slips += use_slip
             drawn += 1
             if episodes is None:
