@@ -8,9 +8,10 @@ With `model.tiny_sft_slip` = p > 0, each drawn pair's target is its template's s
 (tasks.synthetic.SLIPS: SQL that runs but answers another question) with probability p, drawn anew at
 every draw, so the warm policy learns a mixture (the gold answer about 1 - p of the time) rather than
 which prompt had which label; prompts of no template keep their gold SQL. Only training prompts are
-used: the held-out split is never seen here. A step's draws are `step_draws` (importable without the
-project's config or msgspec: bench/gpu_warm_start.py replays them on a device that has only torch). In a colocated run the launcher puts the engines to sleep
-before it (launch/place.py), so the warm start never shares the device with a resident engine.
+used: the held-out split is never seen here. A step's draws are `step_draws` (this module imports
+neither config nor msgspec: bench/gpu_warm_start.py replays the draws on a device that has only torch).
+In a colocated run the launcher puts the engines to sleep before it (launch/place.py), so the warm
+start never shares the device with a resident engine.
 With generator.max_turns > 1 and `model.tiny_sft_episodes` = q > 0, each drawn example is, with
 probability q, an error-then-fix episode (tasks/synthetic_episodes.py: a misspelt query, its real
 error as an observation with loss mask 0, then the same answer the one-shot draw would give), so both
