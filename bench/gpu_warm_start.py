@@ -6,20 +6,17 @@
 
 Two halves, because the device has torch, transformers, tokenizers and numpy but none of the project's
 other dependencies (config, tasks.bird and queues.messages all import msgspec, a compiled package):
-- `--prepare DIR` (anywhere the project's venv is) writes the task pack: the recipe's databases, its
-  tokenizer, every training and held-out prompt as token ids and the warm start's (prompt, gold, slip)
-  pairs, built by the launcher's own functions (launch.run.prepare_model_and_data, load_prompts,
-  launch.warm_start.sft_pairs) for RECIPE (gpu1_0p6b) with `seed=S`, so they are the run's exactly;
-  with it task.json: the recipe's model shape, warm start, learner and generator settings. ~1 MB.
+- `--prepare DIR` (anywhere the project's venv is) writes the task pack (bench/warm_task.py): the run's
+  databases, tokenizer, prompts and warm-start pairs, built by the launcher's own functions. ~1.5 MB.
 - The sweep (TASK=DIR) builds the recipe's model with tasks.tiny_model.build_model (the run's init,
   same seed), then for each trajectory of the grid trains from that init with plain torch and
   evaluates at its checkpoints. Where TASK has no pack and msgspec imports (CPU), it prepares one first.
 
 Invariants:
 - The sweep imports only torch, transformers, tokenizers, the standard library and project modules
-  that import nothing else (launch.warm_start, tasks.tiny_model, tasks.sandbox, tasks.synthetic,
-  policies.sql_reward); tests/test_gpu_warm_start.py runs it with msgspec, ray, redis, deepspeed,
-  structlog and pydantic blocked.
+  that import nothing else (bench.warm_task's load_task, launch.warm_start, tasks.tiny_model,
+  tasks.sandbox, tasks.synthetic, policies.sql_reward); tests/test_gpu_warm_start.py runs it with
+  msgspec, ray, redis, deepspeed, structlog, pydantic, accelerate and psutil hidden from imports.
 - Draws are the warm start's: launch.warm_start.step_draws with random.Random(seed), the batch and the
   slip share, so the first N steps of a constant-lr trajectory ARE an N-step warm start: one trajectory
   evaluated at 200, 400 and 800 steps measures three warm starts. (A cosine trajectory's checkpoints
@@ -37,9 +34,12 @@ Invariants:
   fits BUDGET_S; $OUT/warm_sweep.json and warm_sweep.md are rewritten after every evaluation, so a
   call cut short still leaves every row it finished.
 
-Env: TASK (runs/warm_task), OUT (./bench_out), BUDGET_S (500), SEED (the pack's), PRECISION (bf16 on CUDA,
-else fp32), ONLY (comma-separated trajectory names), EVAL_LIMIT / TRAIN_EVAL_LIMIT (prompts; 0 = all),
-SMOKE=1 (a 2-layer 64-wide shape, checkpoints at 2 and 5 steps, 2 trajectories, 12 held-out prompts).
+Env: TASK (runs/warm_task), OUT (./bench_out), BUDGET_S (500: seconds from the model's build on),
+SEED (the pack's: the model's init and the draws; the data are the pack's), PRECISION (bf16 on CUDA, else
+fp32), ONLY (comma-separated trajectory names), EVAL_LIMIT / TRAIN_EVAL_LIMIT (prompts; 0 = all),
+SMOKE=1 (a 2-layer 64-wide shape, checkpoints at 2 and 5 steps, 2 trajectories, 12 held-out prompts),
+CALIBRATE=1 (tiny's own shape and warm start, 300 steps at 3e-3, fp32: held against the launcher's
+warm-start figures in docs/perf/tiny.md, so the bench's training and evaluation are checked on a CPU).
 """
 from __future__ import annotations
 
@@ -48,7 +48,6 @@ import json
 import math
 import os
 import random
-import shutil
 import sys
 import tempfile
 import time
@@ -56,9 +55,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+from bench.warm_task import SMALL_SHAPE, load_task, prepare
+
 SMOKE = os.environ.get("SMOKE", "") not in ("", "0")
 CALIBRATE = os.environ.get("CALIBRATE", "") not in ("", "0")
-RECIPE = "gpu1_0p6b"
 
 
 @dataclass(frozen=True)
@@ -85,73 +85,7 @@ GRID = [
 ]
 SMOKE_GRID = [Trajectory("smoke_a", 3e-3, 0.6, batch=4, checkpoints=(2, 5)),
               Trajectory("smoke_b", 3e-3, 0.3, batch=4, schedule="cosine", checkpoints=(5,))]
-SMOKE_SHAPE = dict(tiny_hidden_size=64, tiny_layers=2, tiny_heads=4, tiny_kv_heads=2, tiny_intermediate_size=128)
-
-
-# --------------------------------------------------------------------------------------------- the pack
-
-def prepare(task_dir: Path, seed: int | None = None, recipe: str = RECIPE) -> Path:
-    """Writes the task pack (module docstring) with the project's own functions; needs the project's venv."""
-    import structlog
-
-    from config import apply_overrides
-    from config.recipes import get_recipe
-    from launch.run import load_prompts, prepare_model_and_data
-    from launch.warm_start import sft_pairs
-    from queues.messages import unpack_ids
-
-    cfg = get_recipe(recipe) if seed is None else apply_overrides(get_recipe(recipe), [f"seed={seed}"])
-    build = apply_overrides(cfg, [f"model.{k}={v}" for k, v in SMOKE_SHAPE.items()])  # the tokenizer is
-    log = structlog.get_logger("gpu_warm_start")  # the run's whatever the shape; a small model is built beside it
-    task_dir = Path(task_dir).absolute()
-    shutil.rmtree(task_dir, ignore_errors=True)
-    run_dir = task_dir / "run"
-    model_path, bird_dir = prepare_model_and_data(build, run_dir, log)
-    train, held = load_prompts(cfg, model_path, bird_dir, log)
-    pairs = sft_pairs(cfg, train, model_path)
-    for f in Path(model_path).iterdir():  # keep the tokenizer only
-        if f.name == "config.json" or f.suffix in (".safetensors", ".bin") or f.name == "generation_config.json":
-            f.unlink()
-
-    def rows(items):
-        return [{"prompt_id": it.prompt_id, "prompt": unpack_ids(it.prompt_tokens).tolist(), "gold_sql": it.gold_sql,
-                 "db": os.path.relpath(it.db_path, task_dir)} for it in items]
-    m, lr = cfg.model, cfg.learner
-
-    def shape(model_cfg) -> dict:
-        return {k: getattr(model_cfg, k) for k in ("tiny_hidden_size", "tiny_layers", "tiny_heads", "tiny_kv_heads",
-                                                    "tiny_intermediate_size", "tiny_vocab_size")}
-    tiny = get_recipe("tiny")  # CALIBRATE=1: tiny's own warm start on this (tiny's) task, against docs/perf/tiny.md
-    task = {"recipe": recipe, "seed": cfg.seed, "tokenizer": os.path.relpath(model_path, task_dir),
-            "model": shape(m), "tiny": {"model": shape(tiny.model), "sft_lr": tiny.model.tiny_sft_lr,
-                                        "sft_steps": tiny.model.tiny_sft_steps, "sft_slip": tiny.model.tiny_sft_slip,
-                                        "learner": {"betas": list(tiny.learner.betas), "grad_clip": tiny.learner.grad_clip,
-                                                    "weight_decay": tiny.learner.weight_decay}},
-            "sft": {"steps": m.tiny_sft_steps, "lr": m.tiny_sft_lr, "slip": m.tiny_sft_slip, "batch": m.tiny_sft_batch},
-            "learner": {"lr": lr.lr, "betas": list(lr.betas), "weight_decay": lr.weight_decay, "grad_clip": lr.grad_clip},
-            "generator": {"max_tokens": cfg.generator.max_tokens, "temperature": cfg.generator.temperature,
-                          "eval_samples": cfg.data.eval_samples},
-            "scorer": {"workers": cfg.scorer.workers, "timeout_s": cfg.scorer.timeout_s, "memory_mb": cfg.scorer.memory_mb},
-            "pairs": [list(p) for p in pairs], "train": rows(train), "eval": rows(held)}
-    (task_dir / "task.json").write_text(json.dumps(task))
-    return task_dir
-
-
-def load_task(task_dir: Path) -> dict:
-    path = Path(task_dir) / "task.json"
-    if not path.is_file():
-        try:
-            import msgspec  # noqa: F401 - the project's venv can build the pack here
-        except ImportError:
-            sys.exit(f"error: TASK={task_dir}: no task.json; make it with `.venv/bin/python -m bench.gpu_warm_start "
-                     f"--prepare {task_dir}` and carry the folder")
-        prepare(task_dir)
-    task = json.loads(path.read_text())
-    for split in ("train", "eval"):
-        for it in task[split]:
-            it["db"] = str((Path(task_dir) / it["db"]).resolve())
-    task["tokenizer"] = str(Path(task_dir) / task["tokenizer"])
-    return task
+SMOKE_SHAPE = SMALL_SHAPE
 
 
 # --------------------------------------------------------------------------------------------- the model

@@ -1,4 +1,4 @@
-"""bench/gpu_warm_start.py: the warm-start sweep runs where only torch, transformers, tokenizers and numpy
+"""bench/gpu_warm_start.py and bench/warm_task.py: the warm-start sweep runs where only torch, transformers, tokenizers and numpy
 are installed (the H200's image), draws what the launcher's warm start draws, and scores as the run does."""
 import json
 import os
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench import gpu_warm_start as gws
+from bench.warm_task import load_task, prepare
 from launch.warm_start import step_draws
 from tasks.synthetic import slipped
 
@@ -44,7 +45,7 @@ def run_bare(env: dict) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def pack(tmp_path_factory) -> Path:
-    return gws.prepare(tmp_path_factory.mktemp("warm") / "task")
+    return prepare(tmp_path_factory.mktemp("warm") / "task")
 
 
 def test_step_draws_are_the_warm_starts_draws_in_order():
@@ -74,7 +75,7 @@ def test_lr_schedules():
 
 
 def test_pack_is_the_launchers_task_and_scores_gold_as_match(pack):
-    task = gws.load_task(pack)
+    task = load_task(pack)
     assert task["recipe"] == "gpu1_0p6b" and task["model"]["tiny_layers"] == 28 and task["sft"]["slip"] == 0.6
     assert len(task["train"]) == len(task["pairs"]) and 60 <= len(task["eval"]) <= 100
     held_dbs = {it["db"] for it in task["eval"]}
