@@ -1,0 +1,275 @@
+"""Us against TRL's GRPOTrainer on tiny's task, the same start, prompts, reward and settings, back to back.
+
+    nice -n 10 .venv/bin/python -m bench.peers                 # 60 steps, both sides; table on stdout
+    SMOKE=1 .venv/bin/python -m bench.peers                    # 3 steps, 20 warm-start steps, 8 held-out prompts
+    SIDES=ours .venv/bin/python -m bench.peers                 # our side only (no peer venv)
+
+What runs, in order (each command a child process whose whole process tree's RSS is sampled every
+0.5 s, bench/peers/tree.py):
+1. the peer venv (bench/peers/venv.py: TRL beside torch==2.13.0; PEERS_OFFLINE=1: local sources only);
+2. the warm-started export, once, through our launcher (bench/peers/ours.py: tiny's warm start, then one
+   step at lr 1e-30), given to both sides;
+3. our run(s) from it: `tiny` as is (held-out evals every 10 steps) and, unless SMOKE, with
+   coordinator.eval_every=0 (the training loop alone);
+4. TRL's GRPOTrainer from the same export on the same prompts in the same order (bench/peers/trl_side.py);
+5. the same `launch.eval` on every final model over the held-out split: greedy (EX by BIRD's rule and
+   strict) and 4 samples at T=1 (the mean training reward of those samples, our reward code).
+Writes $OUT/peers.json (every number, the start-up and per-step profiles of our run) and $OUT/peers.md
+(the table, the differences, the profile); prints the table. Env: STEPS, OUT, SIDES ("ours trl"), SMOKE.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.peers import ours, table
+from bench.peers.tree import TreeRun, run_tree
+from bench.peers.venv import DEFAULT_VENV, PeerVenvUnavailable, ensure_venv, venv_python
+
+REPO = ours.REPO
+SMOKE = os.environ.get("SMOKE", "") not in ("", "0")
+STEPS = int(os.environ.get("STEPS", "3" if SMOKE else "60"))
+SIDES = os.environ.get("SIDES", "ours trl").split()
+EVAL_SAMPLES = 2 if SMOKE else 4
+EVAL_LIMIT = 8 if SMOKE else 0
+SMOKE_SFT = 20
+TIMEOUT_S = 3600.0
+
+
+def log(msg: str) -> None:
+    print(f"[peers {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def our_variants() -> list[tuple[str, list[str]]]:
+    rows = [("arctic-rl tiny (evals every 10 steps, as the recipe)", [])]
+    if not SMOKE:
+        rows.append(("arctic-rl tiny, coordinator.eval_every=0", ["coordinator.eval_every=0"]))
+    return rows
+
+
+def settings(steps: int) -> dict:
+    cfg = ours.recipe_config()
+    g, lr, sc = cfg.generator, cfg.learner, cfg.scorer
+    return {"steps": steps, "prompts_per_step": cfg.coordinator.prompts_per_step, "n_samples": g.n_samples,
+            "max_tokens": g.max_tokens, "temperature": g.temperature, "top_p": g.top_p, "lr": lr.lr,
+            "betas": list(lr.betas), "weight_decay": lr.weight_decay, "grad_clip": lr.grad_clip,
+            "clip_low": lr.clip_low, "clip_high": lr.clip_high, "seed": cfg.seed,
+            "scorer": {"workers": sc.workers, "timeout_s": sc.timeout_s, "max_rows": sc.max_rows,
+                       "memory_mb": sc.memory_mb}}
+
+
+def tree_fields(t: TreeRun, samples: int) -> dict:
+    return {"wall_s": t.wall_s, "rc": t.rc, "peak_rss_gb": t.peak_rss_bytes / 1e9, "peak_processes": t.peak_processes,
+            "max_processes": t.max_processes, "samples_per_s_e2e": samples / t.wall_s if t.wall_s else None}
+
+
+def check(t: TreeRun, what: str, log_path: Path) -> None:
+    if t.rc != 0:
+        tail = log_path.read_text().strip().splitlines()[-3:] if log_path.exists() else []
+        raise SystemExit(f"error: {what} exited {t.rc}{' (timed out)' if t.timed_out else ''}; "
+                         f"see {log_path}: {' | '.join(tail)[:400]}")
+
+
+# -- the sides ------------------------------------------------------------------------------------
+
+
+def make_export(root: Path) -> dict:
+    cmd = ours.export_command(root, SMOKE_SFT if SMOKE else None)
+    log(f"warm start + export: {' '.join(cmd[1:])}")
+    t = run_tree(cmd, cwd=REPO, log_path=root / "warm.console", timeout_s=TIMEOUT_S)
+    check(t, "the warm-start export run", root / "warm.console")
+    return {"wall_s": t.wall_s, "startup": ours.startup_profile(root / "warm", t.start, t.spawned),
+            "peak_rss_gb": t.peak_rss_bytes / 1e9, "peak_processes": t.peak_processes}
+
+
+def run_ours(root: Path, name: str, extra: list[str], i: int, samples_per_step: int) -> dict:
+    run_id = f"ours{i}"
+    run_dir = ours.prepare_run_dir(root, run_id)
+    cmd = ours.run_command(root, run_id, STEPS, extra)
+    log(f"{name}: {' '.join(cmd[1:])}")
+    console = root / f"{run_id}.console"
+    t = run_tree(cmd, cwd=REPO, log_path=console, timeout_s=TIMEOUT_S)
+    check(t, name, console)
+    row = {"name": name, "side": "ours", "command": " ".join(cmd[1:]), **tree_fields(t, STEPS * samples_per_step),
+           **ours.ours_numbers(run_dir, t.start, samples_per_step)}
+    rows = ours.metrics_rows(run_dir)
+    row["prompts_trained"] = sum(int(r.get("prompts_trained") or 0) for r in rows if r.get("step", -1) >= 0)
+    row["startup"] = ours.startup_profile(run_dir, t.start, t.spawned)
+    row["per_step"] = ours.step_profile(rows)
+    row["spawned"] = t.spawned
+    row["model"] = str(ours.final_export(run_dir))
+    return row
+
+
+def run_trl(root: Path, venv: Path, samples_per_step: int) -> dict:
+    out = root / "trl"
+    out.mkdir(parents=True, exist_ok=True)
+    spec = {"model": str(ours.warm_export(root)), "out_dir": str(out), "settings": settings(STEPS),
+            "prompts": ours.prompts_in_order(root / "warm", STEPS)}
+    spec_path = out / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    cmd = [str(venv_python(venv)), "-P", str(REPO / "bench" / "peers" / "trl_side.py"), str(spec_path)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    log(f"TRL GRPOTrainer: {' '.join(cmd)}")
+    t = run_tree(cmd, cwd=out, env=env, log_path=root / "trl.console", timeout_s=TIMEOUT_S)
+    check(t, "the TRL side", root / "trl.console")
+    meta = json.loads((out / "trl_meta.json").read_text())
+    steps = [json.loads(x) for x in (out / "trl_steps.jsonl").read_text().splitlines() if x.strip()]
+    ends = [s["time"] for s in steps if "loss" in s or "reward" in s][:STEPS]
+    row = {"name": f"TRL {meta['versions']['trl']} GRPOTrainer", "side": "trl", "command": " ".join(cmd),
+           **tree_fields(t, STEPS * samples_per_step), **ours.timeline(ends, t.start, samples_per_step),
+           "meta": meta, "model": str(out / "final"),
+           "startup": [{"at_s": round(meta[k] - t.start, 2), "what": w} for k, w in (
+               ("t_imported", "torch, transformers, trl imported"), ("t_loaded", "model and tokenizer loaded"),
+               ("t_ready", "GRPOTrainer built"), ("t_trained", "train() returned"), ("t_saved", "model saved"))]}
+    return row
+
+
+# -- held-out evaluation ------------------------------------------------------------------------
+
+
+def evaluate(model: str, bird_dir: Path, out: Path) -> dict:
+    """launch.eval greedy and sampled over the held-out split; the numbers of the table."""
+    import subprocess
+
+    base = [sys.executable, "-m", "launch.eval", "--model", model, "--bird-dir", str(bird_dir), "--split", "dev"]
+    if EVAL_LIMIT:
+        base += ["--limit", str(EVAL_LIMIT)]
+    res = {}
+    for tag, extra in (("greedy", []), ("sampled", ["--samples", str(EVAL_SAMPLES)])):
+        d = out / tag
+        p = subprocess.run([*base, "--out-dir", str(d), *extra], cwd=REPO, capture_output=True, text=True,
+                           timeout=TIMEOUT_S)
+        if p.returncode != 0:
+            raise SystemExit(f"error: launch.eval ({tag}) on {model} exited {p.returncode}: {p.stderr.strip()[-400:]}")
+        res[tag] = [json.loads(x) for x in (d / "results.jsonl").read_text().splitlines() if x.strip()]
+    g = res["greedy"]
+    return {"ex_greedy": sum(r["ex_bird"] for r in g) / len(g), "ex_greedy_strict": sum(r["ex_strict"] for r in g) / len(g),
+            "sampled_reward": sampled_reward(res["sampled"], bird_dir), "eval_questions": len(g)}
+
+
+def sampled_reward(rows: list[dict], bird_dir: Path) -> float:
+    """Mean training reward of every sampled answer (our reward code: tasks.sandbox.score_group)."""
+    import asyncio
+
+    from tasks.bird import load_split
+    from tasks.sandbox import GoldCache, SqlPool, score_group
+
+    by_id = {q.question_id: q for q in load_split(str(bird_dir), "dev")}
+    cfg = ours.recipe_config().scorer
+
+    async def score_all(pool) -> list[float]:
+        cache = GoldCache()
+        groups = await asyncio.gather(*(score_group(pool, by_id[r["question_id"]].db_path, by_id[r["question_id"]].sql,
+                                                    [""] * len(r["sample_sqls"]), cache, answers=list(r["sample_sqls"]))
+                                        for r in rows))
+        return [x for g in groups for x in g.rewards]
+
+    with SqlPool(workers=2, timeout_s=cfg.timeout_s, max_rows=cfg.max_rows, memory_mb=cfg.memory_mb) as pool:
+        rewards = asyncio.run(score_all(pool))
+    return sum(rewards) / len(rewards) if rewards else 0.0
+
+
+# -- the differences that remain ------------------------------------------------------------------
+
+
+def differences(rows: list[dict], peer: dict | None) -> list[str]:
+    import importlib.metadata as md
+
+    out = [
+        "Engines: ours generates with our transformers engine (each prompt prefilled once for its n samples, finished "
+        "rows leave the batch, at most generator.max_batch_prompts=16 prompts batched) and trains with DeepSpeed "
+        "ZeRO-0 fp32 on packed rows that hold each group's prompt once; TRL generates with model.generate on the "
+        "whole 128-row batch (each prompt repeated 8 times, left-padded) and trains on padded rows.",
+        "Scoring: ours scores each prompt's group in the scorer actor as it finishes (overlapped with generation); "
+        "TRL calls the same score_group after the whole batch is generated (same sandbox, 1 worker, 5 s, 1 GB).",
+        "Zero-variance groups: ours filters them out of the batch (assembler.filter_zero_variance); TRL keeps them "
+        "with advantage 0, so their tokens count in the token-mean denominator (the same gradient direction, a "
+        "smaller step).",
+        "Optimizer state: both start from a fresh AdamW (torch.optim.AdamW) at the export; the recipe proper carries "
+        "the warm start's Adam moments into RL.",
+        "Threads: every one of our actors runs with OMP_NUM_THREADS=1 (the launcher's default, launch/run.py "
+        "run_env); TRL's process uses torch's default intra-op threads"
+        + (f" ({peer['meta']['torch_threads']} here)" if peer else "") + ".",
+        "Processes: ours is a launcher, Ray (GCS, raylet, dashboard and its agents, workers), an embedded "
+        "redis-server and one actor process each for the coordinator, generator, scorer (+ its SQL worker), "
+        "assembler and learner; TRL is one process (+ its SQL worker).",
+        "Held-out evaluation during training: the recipe evaluates every 10 steps (74 prompts greedy + 4 samples "
+        "each); TRL evaluates nothing during training (its eval_strategy is 'no'); the eval_every=0 row removes it.",
+        "RNG: the samples differ (different sampling code and seeds); one seed per side.",
+    ]
+    if peer:
+        v = peer["meta"]["versions"]
+        ours_tf = md.version("transformers")
+        out.append(f"Versions: TRL {v['trl']}, accelerate {v['accelerate']}, datasets {v['datasets']}; transformers "
+                   f"{v['transformers']} (TRL side) and {ours_tf} (ours), torch {v['torch']} on both.")
+        mism = peer["meta"]["prompt_ids_mismatched"]
+        out.append(f"Prompt tokens: TRL tokenizes the prompt text itself; {mism} of {peer['meta']['prompts']} prompts' "
+                   "ids differ from ours." if mism else
+                   f"Prompt tokens: TRL's tokenization of every prompt ({peer['meta']['prompts']}) equals our ids.")
+    for r in rows:
+        if r.get("prompts_trained") is not None:
+            out.append(f"{r['name']}: {r['prompts_trained']} of {STEPS * 16} prompts trained (the rest filtered).")
+    return out
+
+
+# -- the one command --------------------------------------------------------------------------------
+
+
+def profile_md(row: dict) -> str:
+    lines = ["| s after start | gap, s | what | from |", "| ---: | ---: | --- | --- |"]
+    lines += [f"| {m['at_s']:.1f} | {m.get('gap_s', 0):.1f} | {m['what']} | {m.get('source', '')} |"
+              for m in row.get("startup", [])]
+    ps = row.get("per_step") or {}
+    if ps:
+        lines += ["", "| per step | median s | total s |", "| --- | ---: | ---: |"]
+        lines += [f"| {k} | {v['median']:.3f} | {v['total']:.1f} |" for k, v in ps.items()]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    out = Path(os.environ.get("OUT", "") or tempfile.mkdtemp(prefix="arl-peers-"))
+    out.mkdir(parents=True, exist_ok=True)
+    root = out / "runs"
+    root.mkdir(exist_ok=True)
+    per_step = settings(STEPS)
+    samples_per_step = per_step["prompts_per_step"] * per_step["n_samples"]
+    venv = None
+    if "trl" in SIDES:
+        try:
+            vers = ensure_venv(DEFAULT_VENV, offline=os.environ.get("PEERS_OFFLINE", "") not in ("", "0"), log=log)
+        except PeerVenvUnavailable as e:
+            print(f"error: peer venv: {e}", file=sys.stderr)
+            return 1
+        venv = DEFAULT_VENV
+        log(f"peer venv {venv}: {vers}")
+    result: dict = {"steps": STEPS, "smoke": SMOKE, "settings": per_step, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "load_before": os.getloadavg(), "cpus": os.cpu_count()}
+    result["export"] = make_export(root)
+    rows = [run_ours(root, name, extra, i, samples_per_step) for i, (name, extra) in enumerate(our_variants())]
+    peer = run_trl(root, venv, samples_per_step) if venv is not None else None
+    result["load_after_runs"] = os.getloadavg()
+    bird_dir = root / "warm" / "data"
+    for r in rows + ([peer] if peer else []):
+        log(f"launch.eval: {r['name']}")
+        r.update(evaluate(r["model"], bird_dir, out / "eval" / r["side"] / r["name"].split()[0]
+                          if r["side"] == "trl" else out / "eval" / Path(r["model"]).parent.parent.name))
+    text = table.report(rows, peer, differences(rows, peer))
+    result["rows"], result["peer"] = rows, peer
+    (out / "peers.json").write_text(json.dumps(result, indent=1, default=str))
+    md = [text, "", "## Start-up and per-step profile of our run", "", profile_md(rows[0]),
+          "", "## The warm-start export run (tiny with its warm start)", "", profile_md(result["export"])]
+    if peer:
+        md += ["", "## TRL's start-up", "", profile_md(peer)]
+    (out / "peers.md").write_text("\n".join(md) + "\n")
+    print(text)
+    print(f"\nfull results: {out / 'peers.json'}\nprofile: {out / 'peers.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

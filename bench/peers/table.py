@@ -1,0 +1,54 @@
+"""The peer bench's table and its list of differences: pure functions of the measured rows.
+
+Invariants: one markdown row per side, every column from that side's own measurement (a missing
+number prints as "-", never as 0); the ratio line compares each of our rows with the peer row on
+the same columns; the differences are listed under the table, as given, one bullet each.
+"""
+from __future__ import annotations
+
+COLUMNS = [
+    ("samples_per_s_e2e", "samples/s end to end", "{:.1f}"),
+    ("samples_per_s_step", "samples/s per step (median)", "{:.1f}"),
+    ("first_step_s", "s to first step", "{:.0f}"),
+    ("s_per_step_median", "s/step (median)", "{:.2f}"),
+    ("wall_s", "whole command, s", "{:.0f}"),
+    ("ex_greedy", "held-out greedy EX (BIRD rule)", "{:.3f}"),
+    ("ex_greedy_strict", "greedy EX, strict", "{:.3f}"),
+    ("sampled_reward", "held-out sampled reward", "{:.3f}"),
+    ("peak_rss_gb", "peak RSS, process tree (GB)", "{:.2f}"),
+]
+
+
+def cell(row: dict, key: str, fmt: str) -> str:
+    v = row.get(key)
+    if v is None:
+        return "-"
+    text = fmt.format(v)
+    if key == "peak_rss_gb" and row.get("peak_processes"):
+        text += f" ({row['peak_processes']} proc.)"
+    return text
+
+
+def markdown(rows: list[dict]) -> str:
+    head = "| | " + " | ".join(c[1] for c in COLUMNS) + " |"
+    sep = "| --- | " + " | ".join("---:" for _ in COLUMNS) + " |"
+    body = ["| " + r["name"] + " | " + " | ".join(cell(r, k, f) for k, _, f in COLUMNS) + " |" for r in rows]
+    return "\n".join([head, sep, *body])
+
+
+def ratios(ours: dict, peer: dict) -> str:
+    """`name`: samples/s end to end x, per step x, memory x (ours over the peer's)."""
+    def r(key: str) -> str:
+        a, b = ours.get(key), peer.get(key)
+        return f"{a / b:.2f}x" if a is not None and b else "-"
+    return (f"{ours['name']} against {peer['name']}: samples/s end to end {r('samples_per_s_e2e')}, "
+            f"per step {r('samples_per_s_step')}, peak memory {r('peak_rss_gb')}")
+
+
+def report(rows: list[dict], peer: dict | None, differences: list[str]) -> str:
+    lines = [markdown(rows + ([peer] if peer else []))]
+    if peer:
+        lines += [""] + [ratios(r, peer) for r in rows]
+    if differences:
+        lines += ["", "Setup differences that remain:"] + [f"- {d}" for d in differences]
+    return "\n".join(lines)
