@@ -15,7 +15,8 @@ What runs, in order (each command a child process whose whole process tree's RSS
 5. the same `launch.eval` on every final model over the held-out split: greedy (EX by BIRD's rule and
    strict) and 4 samples at T=1 (the mean training reward of those samples, our reward code).
 Writes $OUT/peers.json (every number, the start-up and per-step profiles of our run) and $OUT/peers.md
-(the table, the differences, the profile); prints the table. Env: STEPS, OUT, SIDES ("ours trl"), SMOKE.
+(the table, the differences, the profile); prints the table. Env: STEPS, OUT, SIDES ("ours trl"), SMOKE,
+PEERS_OFFLINE (build the peer venv from local sources only), PEERS_TRL_THREADS (TRL's OMP_NUM_THREADS, 1).
 """
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ EVAL_SAMPLES = 2 if SMOKE else 4
 EVAL_LIMIT = 8 if SMOKE else 0
 SMOKE_SFT = 20
 TIMEOUT_S = 3600.0
+# Intra-op threads of TRL's process. Our launcher gives each actor OMP_NUM_THREADS=1; on a shared, loaded
+# machine torch's default (one thread per core) makes every parallel op wait for a descheduled thread.
+TRL_THREADS = os.environ.get("PEERS_TRL_THREADS", "1")
 
 
 def log(msg: str) -> None:
@@ -114,6 +118,7 @@ def run_trl(root: Path, venv: Path, samples_per_step: int) -> dict:
     spec_path.write_text(json.dumps(spec))
     cmd = [str(venv_python(venv)), "-P", str(REPO / "bench" / "peers" / "trl_side.py"), str(spec_path)]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["OMP_NUM_THREADS"] = TRL_THREADS  # as every one of our actors (launch/run.py run_env's default)
     log(f"TRL GRPOTrainer: {' '.join(cmd)}")
     t = run_tree(cmd, cwd=out, env=env, log_path=root / "trl.console", timeout_s=TIMEOUT_S)
     check(t, "the TRL side", root / "trl.console")
@@ -193,8 +198,9 @@ def differences(rows: list[dict], peer: dict | None) -> list[str]:
         "Optimizer state: both start from a fresh AdamW (torch.optim.AdamW) at the export; the recipe proper carries "
         "the warm start's Adam moments into RL.",
         "Threads: every one of our actors runs with OMP_NUM_THREADS=1 (the launcher's default, launch/run.py "
-        "run_env); TRL's process uses torch's default intra-op threads"
-        + (f" ({peer['meta']['torch_threads']} here)" if peer else "") + ".",
+        "run_env); TRL's one process ran with OMP_NUM_THREADS=" + TRL_THREADS
+        + (f" (torch intra-op threads {peer['meta']['torch_threads']})" if peer else "")
+        + " (PEERS_TRL_THREADS; torch's default is one per core).",
         "Processes: ours is a launcher, Ray (GCS, raylet, dashboard and its agents, workers), an embedded "
         "redis-server and one actor process each for the coordinator, generator, scorer (+ its SQL worker), "
         "assembler and learner; TRL is one process (+ its SQL worker).",
