@@ -287,6 +287,7 @@ def evaluate_model(args, questions) -> int:
 
     engine, tokenizer, settings = load_engine(args.model, args.engine, args.device, max_batch_prompts=args.batch_size,
                                               max_tokens=args.max_tokens, seed=args.seed)
+    args.max_turns = args.max_turns or int(settings["max_turns"])
     items, dropped = build_prompts(questions, tokenizer, int(settings["max_prompt_tokens"]),
                                    style=settings["prompt_style"], sample_values=int(settings["sample_values"]),
                                    use_chat_template=bool(settings["use_chat_template"]), max_turns=args.max_turns)
@@ -347,8 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=16, help="transformers engine: prompts decoded together")
     p.add_argument("--limit", type=int, default=0, help="only the first N questions")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-turns", type=int, default=1, help="with --model: k > 1 lets the model run queries and "
-                   "revise before it answers (multi-turn episodes; every turn goes into results.jsonl)")
+    p.add_argument("--max-turns", type=int, default=0, help="with --model: k > 1 lets the model run queries and "
+                   "revise before it answers (multi-turn episodes; every turn goes into results.jsonl); "
+                   "0: as the run trained (the export's generator.max_turns, 1 for older exports)")
     p.add_argument("--strict", action="store_true", help="score with the training reward's rule: an empty or "
                    "column-less answer never matches (default: BIRD evaluation.py's rule, where it matches an empty gold)")
     p.add_argument("--timing-runs", type=int, default=1, help="runs of each correct pair timed for R-VES "
@@ -358,8 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-rows", type=int, default=1_000_000)
     args = p.parse_args(argv)
     if (args.timeout <= 0 or args.workers < 1 or args.samples < 1 or args.batch_size < 1 or args.limit < 0
-            or args.max_turns < 1 or args.timing_runs < 1):
-        print("error: --timeout must be > 0, --workers, --samples, --batch-size, --max-turns and --timing-runs >= 1, --limit >= 0",
+            or args.max_turns < 0 or args.timing_runs < 1):
+        print("error: --timeout must be > 0, --workers, --samples, --batch-size and --timing-runs >= 1, --limit and --max-turns >= 0",
               file=sys.stderr)
         return 2
     from launch.export import ExportError

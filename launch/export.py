@@ -56,7 +56,8 @@ def default_engine() -> str:
 def load_engine(model_dir: str | Path, engine: str = "", device: str = "auto", max_batch_prompts: int = 16,
                 max_tokens: int = 0, seed: int = 0, engine_kwargs: dict | None = None):
     """(engine, tokenizer, settings) for an export: the project's own engine classes (actors/engines),
-    greedy by default, max new tokens from the export unless given."""
+    greedy by default, max new tokens from the export unless given; an episode's observations are cut
+    as in training (the export's max_observation_tokens)."""
     from transformers import AutoTokenizer
 
     from actors.engines.registry import make_engine
@@ -68,6 +69,7 @@ def load_engine(model_dir: str | Path, engine: str = "", device: str = "auto", m
     on_gpu = engine == "vllm" or resolve_device(device).type == "cuda"
     gen = GeneratorConfig(engine=engine, device=device, n_samples=1, temperature=0.0,
                           max_tokens=int(max_tokens or settings["max_tokens"]), stop=list(settings["stop"]),
+                          max_observation_tokens=int(settings["max_observation_tokens"]),
                           max_batch_prompts=max_batch_prompts, seed=seed, engine_kwargs=dict(engine_kwargs or {}))
     model = ModelConfig(path=str(model_dir), dtype="bfloat16" if on_gpu else "float32")
     try:

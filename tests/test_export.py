@@ -132,3 +132,21 @@ def test_checkpoints_export_prune_then_kill_and_resume(tmp_path):
     exported = dict(model.named_parameters())
     for name, tensor in fresh.learner.state_dict_hf().items():
         torch.testing.assert_close(exported[name].detach(), tensor, atol=0, rtol=0)
+
+
+def test_an_export_records_its_episode_shape_and_eval_and_serve_run_it_as_trained(tmp_path):
+    """A multi-turn run's export carries generator.max_turns and max_observation_tokens: `launch.eval`
+    without --max-turns runs the episodes as trained, and the engine cuts observations as in training
+    (before, eval cut them at the default 128 tokens: tiny_mt seed 0 scored 0.068 instead of the run's 0.311)."""
+    from config import apply_overrides
+    from config.recipes import get_recipe
+    from launch.export import inference_settings
+
+    mt = inference_settings(apply_overrides(get_recipe("tiny_mt"), []))
+    assert (mt["max_turns"], mt["max_observation_tokens"]) == (3, 32)
+    one = inference_settings(apply_overrides(get_recipe("tiny"), []))
+    assert one["max_turns"] == 1
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "config.json").write_text("{}")
+    assert (read_settings(old)["max_turns"], read_settings(old)["max_observation_tokens"]) == (1, 128)

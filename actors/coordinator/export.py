@@ -38,7 +38,8 @@ _SIDE_FILES = ("tokenizer", "special_tokens", "vocab", "merges", "added_tokens",
 
 # What a model that was not trained here gets (BIRD's omnisql prompt, a reasoning model's budget).
 DEFAULT_SETTINGS = {"prompt_style": "omnisql", "sample_values": 3, "max_prompt_tokens": 8192,
-                    "use_chat_template": True, "max_tokens": 4096, "stop": [], "temperature": 1.0}
+                    "use_chat_template": True, "max_tokens": 4096, "stop": [], "temperature": 1.0,
+                    "max_turns": 1, "max_observation_tokens": 128}
 
 
 class ExportError(ValueError):
@@ -127,7 +128,9 @@ def inference_settings(cfg: Any, run_id: str = "", steps_done: int = 0) -> dict[
     return {"prompt_style": style, "sample_values": int(cfg.data.sample_values),
             "max_prompt_tokens": int(cfg.data.max_prompt_tokens), "use_chat_template": style != "compact",
             "max_tokens": int(cfg.generator.max_tokens), "stop": list(cfg.generator.stop),
-            "temperature": float(cfg.generator.temperature), "run_id": run_id, "steps_done": int(steps_done)}
+            "temperature": float(cfg.generator.temperature), "max_turns": int(cfg.generator.max_turns),
+            "max_observation_tokens": int(cfg.generator.max_observation_tokens),
+            "run_id": run_id, "steps_done": int(steps_done)}
 
 
 # -- pruning ---------------------------------------------------------------------------------------
