@@ -110,21 +110,21 @@ class SimLearner:
                 return {"tokens": float(batch.num_tokens)}
         raise TimeoutError(f"no TrainBatch for step {step}")
 
-    async def weight_sync_start(self, version: int, kind: str, bucket_mb: int, impl: str = "ours"):
-        self._version = version
-
-    async def weight_sync_next(self):
-        await asyncio.sleep(self.s.sync_s)
-        return SyncSummary(version=self._version, num_buckets=1, num_tensors=0, nbytes=0)
-
-    async def weight_sync_abort(self):
-        pass
+    async def send_weights(self, call):
+        """The object store's sender steps (start / next / abort): one summary after `sync_s`."""
+        if call.op == "start":
+            self._version = call.args[0]
+        elif call.op == "next":
+            await asyncio.sleep(self.s.sync_s)
+            return SyncSummary(version=self._version, num_buckets=1, num_tensors=0, nbytes=0)
+        return None
 
 
 class SimGenerator(Generator):
     """The real Generator; a sync's summary is the whole of a weight update here."""
 
-    async def weight_sync_receive(self, message, kind: str = "object_store", impl: str = "ours"):
+    async def receive_weights(self, call):
+        message = call.args[0]
         if isinstance(message, SyncSummary):
             await self.finish_weight_update(message.version)
             return message.version

@@ -165,7 +165,7 @@ async def sync(engine, learner, version: int, cuda: bool, impl: str = "ours") ->
     receiver = transport.make_receiver(engine.load_weights, in_workers)
     sender.start(version)
     while True:
-        message = transport.merge([sender.next_bucket()])  # what the learner group sends, one rank here
+        message = transport.merge_messages([sender.next_bucket()])  # what the learner group sends, one rank here
         got = await receiver.receive(message)
         if isinstance(message, SyncSummary):
             sender.abort()

@@ -70,11 +70,13 @@ async def _sync_object_store(group) -> tuple[int, dict]:
     import ray
 
     from weights import ObjectStoreBucket, SyncSummary, payload_to_tensors
+    from weights.strategy import get_transport
 
-    await group.weight_sync_start(1, "object_store", 1 / 16)
+    store = get_transport("object_store")
+    await group.send_weights(store.call("start", 1, 1 / 16))
     got, buckets = {}, 0
     while True:
-        message = await group.weight_sync_next()
+        message = await group.send_weights(store.call("next"))
         if isinstance(message, SyncSummary):
             assert message.num_buckets == buckets
             return buckets, got

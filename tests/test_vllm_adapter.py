@@ -86,7 +86,7 @@ def test_engine_kwargs_are_deep_converted_and_passed_through_with_a_stand_in_fie
     assert args["max_num_batched_tokens"] == 40960
     assert args["enable_sleep_mode"] is True and args["logprobs_mode"] == "processed_logprobs"
     assert args["worker_extension_cls"] == "actors.engines.vllm_worker.WeightLoaderExtension"
-    assert resolve_symbol(args["worker_extension_cls"]).arl_load_ipc
+    assert resolve_symbol(args["worker_extension_cls"]).arl_weights
 
 
 def test_unknown_engine_kwargs_are_refused_by_name_with_a_stand_in_field_list():
@@ -145,7 +145,7 @@ def test_every_worker_method_the_engine_calls_exists_on_the_extension_and_no_ten
     from actors.engines.vllm_worker import WeightLoaderExtension
 
     called = set(re.findall(r'self\._rpc\("(\w+)"', SOURCE))
-    assert {"arl_load_ipc", "arl_load_flat", "arl_join_group", "arl_receive_group", "arl_finish"} <= called
+    assert {"arl_weights", "arl_finish"} <= called  # every transport's worker steps go through arl_weights
     assert all(callable(getattr(WeightLoaderExtension, m, None)) for m in called), called
     assert "collective_rpc(method=method" in SOURCE and SOURCE.count("collective_rpc(") == 1  # only through _rpc
 

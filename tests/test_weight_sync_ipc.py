@@ -20,6 +20,8 @@ import torch
 from actors.engines.vllm_engine import VLLMEngine
 from actors.engines.vllm_worker import WeightLoaderExtension
 from weights import make_receiver
+from weights.endpoint import ReceiveEnd
+from weights.strategy import get_transport
 from weights.broadcast import BroadcastSender
 from weights.ipc import (
     CudaIpcBucket, ipc_message_from_bytes, ipc_message_to_bytes, merge_ipc_buckets, select_ipc_handles,
@@ -62,6 +64,7 @@ def fake_rank_messages(w: dict[str, torch.Tensor], version: int, uuid: str, send
 
 
 BUCKET_MB = 2000 / (1 << 20)  # several buckets for `weights`
+NCCL, IPC = get_transport("nccl"), get_transport("cuda_ipc")
 
 
 class FakeModel:
@@ -83,9 +86,7 @@ class FakeWorker(WeightLoaderExtension):
         self.rank, self.uuid = rank, uuid
         self.device = torch.device("cpu", rank)  # the index plays the worker's CUDA index
         self.model_runner = type("Runner", (), {"model": FakeModel()})()
-
-    def arl_load_ipc(self, message: bytes, uuid: str | None = None) -> int:
-        return super().arl_load_ipc(message, uuid=self.uuid)  # on a GPU the uuid is read from self.device
+        self.arl_uuid = uuid  # on a GPU the uuid is read from self.device
 
 
 class FakeAsyncLLM:
@@ -233,8 +234,18 @@ async def test_object_store_and_load_weights_reach_fake_vllm_workers_as_plain_by
 async def test_broadcast_group_joined_by_fake_vllm_workers_over_gloo_one_rank_each():
     workers = [FakeWorker(0, "GPU-a"), FakeWorker(1, "GPU-b")]
     engine = fake_vllm_engine(workers)
-    assert engine.weight_sync_ranks() == 2
-    assert await gloo_sync(workers, weights(4), 9, engine.join_weight_group, engine.receive_weight_group) == 9
+    end = ReceiveEnd(None, lambda: engine)  # a generator's end of the transport, over the engine
+    assert (await end.handle(NCCL.call("ranks")))[0] == engine.num_workers() == 2
+
+    async def join(rdv, first):
+        return await end.handle(NCCL.call("join", rdv, first))
+
+    async def receive(version):
+        reply, completed = await end.handle(NCCL.call("receive", version))
+        assert reply == completed
+        return reply
+
+    assert await gloo_sync(workers, weights(4), 9, join, receive) == 9
 
 
 def test_a_worker_whose_rank_does_not_fit_the_group_says_so_before_joining():
@@ -242,7 +253,7 @@ def test_a_worker_whose_rank_does_not_fit_the_group_says_so_before_joining():
 
     rdv = Rendezvous(host="127.0.0.1", port=1, world_size=3, backend="gloo", timeout_s=1)
     with pytest.raises(WeightSyncError, match="needs rank 3 but the group's world_size is 3"):
-        FakeWorker(1, "GPU-b").arl_join_group(rdv.__dict__, 2)
+        FakeWorker(1, "GPU-b").arl_weights("nccl", "ours", "join", rdv.__dict__, 2)
 
 
 def test_the_merged_ipc_message_crosses_msgpack_as_pickled_bytes():
@@ -261,7 +272,7 @@ def _generator_shell_over(engine: VLLMEngine):
     shell = object.__new__(GeneratorShell)
     shell.gen = Generator(engine, type("Cfg", (), {"max_inflight_prompts": 4})())
     shell.needs_weights, shell._weights_ready = True, asyncio.Event()
-    shell._broadcast = shell._broadcast_rdv = None
+    shell._weights_in = ReceiveEnd(shell.gen.load_weights, lambda: shell.gen.engine)
     return shell
 
 
@@ -269,15 +280,16 @@ async def test_generator_shell_hands_fake_vllm_engines_the_messages_for_both_tra
     w = weights(5)
     workers = [FakeWorker(0, "GPU-a"), FakeWorker(1, "GPU-b")]
     shell = _generator_shell_over(fake_vllm_engine(workers))
-    assert await shell.weight_sync_ranks() == 2
+    assert await shell.receive_weights(NCCL.call("ranks")) == 2
     # nccl (gloo here): each worker joins as its own rank, the shell ends the update and sets the version
-    assert await gloo_sync(workers, w, 3, shell.weight_sync_join, shell.weight_sync_broadcast_receive) == 3
-    assert shell._broadcast == "engine" and shell.gen.version == 3 and not shell.needs_weights
+    assert await gloo_sync(workers, w, 3, lambda rdv, first: shell.receive_weights(NCCL.call("join", rdv, first)),
+                           lambda version: shell.receive_weights(NCCL.call("receive", version))) == 3
+    assert shell._weights_in.halves[NCCL.key] == "engine" and shell.gen.version == 3 and not shell.needs_weights
     # cuda_ipc: the merged message goes to the engine as it came
     for worker in workers:
         worker.model_runner.model = FakeModel()
     ranks = [fake_rank_messages(w, 4, uuid, r, BUCKET_MB) for r, uuid in enumerate(["GPU-a", "GPU-b"])]
-    results = [await shell.weight_sync_receive(merge_ipc_buckets(list(step)), "cuda_ipc") for step in zip(*ranks)]
+    results = [await shell.receive_weights(IPC.call("receive", merge_ipc_buckets(list(step)))) for step in zip(*ranks)]
     assert results[-1] == 4 and shell.gen.version == 4
     for worker in workers:
         assert_loaded(worker.model_runner.model, w)

@@ -124,5 +124,5 @@ def test_fake_vllm_chunks_merge_handles_per_tensor_and_refuse_a_shared_gpu():
         {"GPU-0": "h", "GPU-1": "h"}, {"GPU-0": "h", "GPU-1": "h"}]
     with pytest.raises(WeightSyncError, match="same GPU"):
         merge_vllm_chunks([chunks[0], chunks[0]])
-    assert isinstance(get_transport("cuda_ipc", "vllm").merge([SyncSummary(version=0, num_buckets=1, num_tensors=2,
+    assert isinstance(get_transport("cuda_ipc", "vllm").merge_messages([SyncSummary(version=0, num_buckets=1, num_tensors=2,
                                                                            nbytes=20)] * 2), SyncSummary)

@@ -1,25 +1,37 @@
 """Weight sync: the learner's weights into every generator's engine, one bounded bucket at a time.
 
-A transport is ONE strategy object (``weights.protocol.Transport``) with a sender half (learner rank)
-and a receiver half (generator, beside its engine), chosen by ONE factory from the resolved config
-(``weights.strategy.transport_for``: coordinator.weight_sync x coordinator.weight_sync_impl).
-**Adding a transport = one new module defining a ``TRANSPORT`` instance + one line in
-``weights.strategy.REGISTRY``.** ``weights.vllm_native`` puts vLLM's own weight-transfer engine
-(``vllm.distributed.weight_transfer``, CUDA IPC) behind the same halves (weight_sync_impl="vllm").
+A transport is ONE strategy object (a ``weights.protocol.Transport`` subclass) that says what happens
+at each of the four places a sync crosses: the coordinator (``sync``), the learner group (``fan_out``,
+``merge``), a learner rank (``on_sender``, its sender half) and a generator (``on_receiver``, its
+receiver half), plus inside an engine's worker processes (``on_worker``) for an engine that loads
+there (vLLM). ONE factory picks it from the resolved config (``weights.strategy.transport_for``:
+coordinator.weight_sync x coordinator.weight_sync_impl). The house around it has two verbs: the
+learner's ``send_weights(call)`` and the generator's ``receive_weights(call)`` (and the vLLM worker
+extension's ``arl_weights``), each forwarding a ``WeightsCall`` to its end (``weights.endpoint``).
+
+**Adding a transport touches weights/ only, and no existing class:** one new module with its
+``Transport`` subclass (and, as the existing ones have, a sender and a receiver class: three new
+classes in all) plus one line in ``weights.strategy.REGISTRY``. No shell, engine, learner group or
+coordinator method changes. (A new placement kind, not a new way to move an existing one, is also a
+new value of the config's ``coordinator.weight_sync``.)
 
 This module is the one name callers import (``import weights as weight_sync``); the code lives
 in one file per concern, each with its invariants in its docstring:
 
-- ``weight_sync_wire``: the wire format every transport shares (``BucketPlan`` header + one flat
-  uint8 buffer per dtype; flatten / unflatten / validate; messages and their schema).
-- ``weight_sync_base``: the counting both ends share (a partial sync never bumps the version; at
-  most ~2 buckets held by the sender) and ``drive_bucketed_sync``, the coordinator's loop.
-- ``weight_sync_store``: the Ray object store (CPU, and the fallback).
-- ``weight_sync_ipc``: CUDA IPC on the same physical GPU; ``merge_ipc_buckets`` merges the learner
-  ranks' buckets into one message with the handles keyed by device uuid, and each receiver (a vLLM
-  worker, the transformers engine) opens only its own GPU's handle.
-- ``weight_sync_broadcast``: a private NCCL (GPU) / gloo (CPU) group, learner rank 0 sending.
-- ``protocol`` / ``strategy``: the Transport shape and the registry + factory; ``vllm_native``: vLLM's own.
+- ``wire``: the wire format every transport shares (``BucketPlan`` header + one flat uint8 buffer
+  per dtype; flatten / unflatten / validate; messages and their schema).
+- ``base``: the counting both ends share (a partial sync never bumps the version; at most ~2 buckets
+  held by the sender) and ``drive_bucketed_sync``, the coordinator's loop for per-bucket transports.
+- ``protocol``: the Transport shape, ``WeightsCall`` and the coordinator's ``Link``; ``strategy``:
+  the registry + factory; ``endpoint``: the learner rank's and the generator's ends.
+- ``store``: the Ray object store (CPU, and the fallback).
+- ``ipc``: CUDA IPC on the same physical GPU; ``merge_ipc_buckets`` merges the learner ranks'
+  buckets into one message with the handles keyed by device uuid, and each receiver (a vLLM worker,
+  the transformers engine) opens only its own GPU's handle.
+- ``broadcast``: a private NCCL (GPU) / gloo (CPU) group, learner rank 0 sending; ``nccl``: that
+  transport's steps (the group built whole, rebuilt when a member is missing).
+- ``vllm_native``: vLLM's own weight-transfer engine (``vllm.distributed.weight_transfer``, CUDA IPC)
+  behind the same halves (weight_sync_impl="vllm").
 
 Which transport runs follows from the placement (``CoordinatorConfig.weight_sync``): colocated GPU
 -> cuda_ipc, disaggregated GPU -> nccl, CPU -> object_store.
@@ -34,6 +46,7 @@ from weights.ipc import (
     CudaIpcBucket, CudaIpcReceiver, CudaIpcSender, device_uuid, ipc_message_from_bytes, ipc_message_to_bytes,
     load_ipc_bucket, merge_ipc_buckets, open_ipc_buffers, select_ipc_handles, visible_cuda_uuids,
 )
+from weights.protocol import Link, Transport, TransportKey, WeightsCall, verb
 from weights.store import ObjectStoreBucket, ObjectStoreReceiver, ObjectStoreSender
 from weights.wire import (
     DTYPES, MB, WEIGHT_SYNC_SCHEMA, BucketPlan, Expected, ExportWeights, LoadWeights, NamedTensors, SyncAbort,
@@ -43,7 +56,7 @@ from weights.wire import (
 )
 
 __all__ = [
-    "make_receiver",
+    "make_receiver", "Link", "Transport", "TransportKey", "WeightsCall", "verb",
     "BroadcastReceiver", "BroadcastSender", "BucketPlan", "CudaIpcBucket", "CudaIpcReceiver", "CudaIpcSender",
     "DTYPES", "Expected", "ExportWeights", "LoadWeights", "MB", "NamedTensors", "ObjectStoreBucket",
     "ObjectStoreReceiver", "ObjectStoreSender", "ReceiverBase", "Rendezvous", "SenderBase", "SyncAbort",

@@ -74,6 +74,30 @@ class SenderBase:
         self._buckets = None
 
 
+class ExportOnly:
+    """A learner rank that only takes part: runs the export (its ZeRO-3 gathers are collective, so every
+    rank iterates in lockstep) and drops what it yields; rank 0's sender moves the weights."""
+
+    def __init__(self, export_weights: ExportWeights, bucket_mb: float):
+        self.export_weights, self.bucket_mb, self._buckets = export_weights, bucket_mb, None
+
+    def start(self, version: int) -> None:
+        self._buckets = iter(self.export_weights(self.bucket_mb))
+
+    def next_bucket(self) -> None:
+        next(self._buckets, None)
+
+    def run(self) -> None:
+        """The whole export at once (beside a collective sender's send)."""
+        for _ in self.export_weights(self.bucket_mb):
+            pass
+
+    def abort(self) -> None:
+        if self._buckets is not None and hasattr(self._buckets, "close"):
+            self._buckets.close()
+        self._buckets = None
+
+
 class ReceiverBase:
     """Counts what arrived for the version in flight and bumps `version` only when it is whole."""
 
@@ -152,15 +176,9 @@ async def drive_bucketed_sync(next_message: Callable[[], Any], receivers: Sequen
     Asks the sender for one message, hands it to every receiver concurrently, and asks for the
     next only once all of them returned: that return is the ack that lets the sender release the
     bucket, so at most one bucket is in flight. Returns the version once every receiver finished.
-    With Ray actors:
-
-        version = await drive_bucketed_sync(
-            learner.weight_sync_next.remote,                      # -> ObjectStoreSender.next_bucket()
-            [g.weight_sync_receive.remote for g in generators],   # -> ObjectStoreReceiver.receive(msg)
-            abort=learner.weight_sync_abort.remote)               # -> sender.abort()
-
-    (call `learner.weight_sync_start.remote(version)` -> `sender.start(version)` first).
-    On any error, calls `abort` (releases the sender's buffers) and re-raises; receivers keep
+    ``weights.protocol.Transport.sync`` runs it with the learner's and the generators' verbs
+    (next -> ``sender.next_bucket()``, receive -> ``receiver.receive(message)``, abort ->
+    ``sender.abort()``), after a start -> ``sender.start(version)``. On any error, calls `abort` (releases the sender's buffers) and re-raises; receivers keep
     their previous version and reset on the next sync's bucket 0.
     """
     try:

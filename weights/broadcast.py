@@ -28,7 +28,6 @@ from typing import Any, Mapping
 
 import torch
 
-from weights.protocol import Transport, TransportKey
 from weights.base import ReceiverBase, SenderBase
 from weights.wire import (
     BucketPlan, Expected, ExportWeights, LoadWeights, SyncAbort, SyncSummary, WeightSyncError, decode_message,
@@ -355,21 +354,3 @@ class BroadcastReceiver(ReceiverBase, _Broadcaster):
         if self._group is not None and hasattr(self._group, "shutdown"):
             self._group.shutdown()
         self._group = self._store = None
-
-class BroadcastTransport(Transport):
-    """Disaggregated on GPUs (gloo on CPU): a private group, learner rank 0 broadcasting. Not per
-    bucket: the coordinator builds the group (listen / init+join) and runs one call per side."""
-
-    key = TransportKey("nccl", "ours")
-    per_bucket = False
-
-    def make_sender(self, export_weights, bucket_mb, *, rank=0, device=None):
-        device = torch.device(device if device is not None else "cpu")
-        return BroadcastSender(lambda mb: export_weights(mb, device=device), bucket_mb,
-                               backend="nccl" if device.type == "cuda" else "gloo", device=device)
-
-    def make_receiver(self, load_weights, engine=None):
-        return BroadcastReceiver(load_weights)
-
-
-TRANSPORT = BroadcastTransport()

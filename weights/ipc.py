@@ -27,8 +27,8 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import torch
 
-from weights.protocol import Transport, TransportKey
 from weights.base import ReceiverBase, SenderBase, maybe_await
+from weights.protocol import Transport, TransportKey, in_workers
 from weights.wire import (
     BucketPlan, Expected, ExportWeights, LoadWeights, SyncAbort, SyncSummary, WeightSyncError, decode_message,
     encode_message, flatten_bucket, unflatten_bucket,
@@ -249,7 +249,9 @@ class CudaIpcReceiver(ReceiverBase):
 
 
 class CudaIpcTransport(Transport):
-    """Colocated on GPUs: every learner rank exports its own GPU's handles; merged per bucket."""
+    """Colocated on GPUs: every learner rank exports its own GPU's handles; merged per bucket. An engine
+    that loads in its own workers (vLLM) gets the merged message as bytes; each worker opens its own
+    GPU's handle (worker step `load`)."""
 
     key = TransportKey("cuda_ipc", "ours")
 
@@ -257,13 +259,28 @@ class CudaIpcTransport(Transport):
         return CudaIpcSender(lambda mb: export_weights(mb, device="cuda"), bucket_mb, device=device)
 
     def make_receiver(self, load_weights, engine=None):
-        return CudaIpcReceiver(load_weights, load_ipc=engine.load_ipc_bucket if engine is not None else None)
+        if engine is None:
+            return CudaIpcReceiver(load_weights)
 
-    def merge(self, messages):
+        async def load_ipc(message: CudaIpcBucket) -> None:
+            count = len(decode_message(message.plan).tensors)
+            await in_workers(engine, self.key, "load", ipc_message_to_bytes(message), expect=count)
+
+        return CudaIpcReceiver(load_weights, load_ipc=load_ipc)
+
+    def merge_messages(self, messages):
         return merge_ipc_buckets(list(messages))
 
     def all_ranks_send(self) -> bool:
         return True
+
+    def on_worker(self, worker, op, *args):
+        """`load`(message bytes): this worker's own GPU's handles, views loaded, copies waited for."""
+        if op != "load":
+            raise self.refuse("worker", op)
+        plan = load_ipc_bucket(ipc_message_from_bytes(args[0]), worker.arl_device(), worker.arl_load,
+                               uuid=getattr(worker, "arl_uuid", None))
+        return len(plan.tensors)
 
 
 TRANSPORT = CudaIpcTransport()

@@ -20,11 +20,11 @@ from typing import Any, Callable
 
 import torch
 
-from weights.protocol import Transport, TransportKey
 from weights.base import ReceiverBase, SenderBase, maybe_await
+from weights.protocol import Transport, TransportKey, in_workers
 from weights.wire import (
     BucketPlan, Expected, ExportWeights, LoadWeights, SyncAbort, SyncSummary, WeightSyncError, decode_message,
-    payload_and_plan, payload_to_tensors,
+    encode_message, payload_and_plan, payload_to_tensors, raw_bytes,
 )
 
 # (checked plan, {dtype: uint8 buffer, a numpy array or bytes}) -> loads the bucket in the engine's own workers
@@ -109,7 +109,8 @@ class ObjectStoreReceiver(ReceiverBase):
 
 
 class ObjectStoreTransport(Transport):
-    """The CPU transport and the one the transformers engine always takes."""
+    """The CPU transport and the one the transformers engine always takes. An engine that loads in
+    its own workers (vLLM) gets each checked plan and its raw buffers there (worker step `load`)."""
 
     key = TransportKey("object_store", "ours")
 
@@ -117,7 +118,23 @@ class ObjectStoreTransport(Transport):
         return ObjectStoreSender(export_weights, bucket_mb)
 
     def make_receiver(self, load_weights, engine=None):
-        return ObjectStoreReceiver(load_weights, load_flat=engine.load_flat_bucket if engine is not None else None)
+        if engine is None:
+            return ObjectStoreReceiver(load_weights)
+
+        async def load_flat(plan: BucketPlan, buffers: dict[str, Any]) -> None:
+            raw = {d: raw_bytes(b) for d, b in buffers.items()}
+            await in_workers(engine, self.key, "load", encode_message(plan), raw, expect=len(plan.tensors))
+
+        return ObjectStoreReceiver(load_weights, load_flat=load_flat)
+
+    def on_worker(self, worker, op, *args):
+        """`load`(plan bytes, {dtype: bytes}): rebuilt on the worker's device from dtype and shape."""
+        if op != "load":
+            raise self.refuse("worker", op)
+        plan, buffers = args
+        _, named = payload_to_tensors({"plan": plan, "buffers": buffers}, None, worker.arl_device())
+        worker.arl_load(named)
+        return len(named)
 
 
 TRANSPORT = ObjectStoreTransport()

@@ -21,7 +21,7 @@ from weights.wire import WeightSyncError
 REGISTRY: dict[TransportKey, str] = {
     TransportKey("object_store", "ours"): "weights.store:TRANSPORT",
     TransportKey("cuda_ipc", "ours"): "weights.ipc:TRANSPORT",
-    TransportKey("nccl", "ours"): "weights.broadcast:TRANSPORT",
+    TransportKey("nccl", "ours"): "weights.nccl:TRANSPORT",
     TransportKey("cuda_ipc", "vllm"): "weights.vllm_native:TRANSPORT",
 }
 

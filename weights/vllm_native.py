@@ -9,9 +9,16 @@ the same loop (``drive_bucketed_sync``) and the same counting (weights.base).
 
 CUDA IPC (colocated): the sender shares the learner's exported tensors themselves, one IPC handle per
 tensor keyed by the GPU's uuid (vLLM's ``IPCWeightTransferUpdateInfo``: names, dtype_names, shapes,
-ipc_handles); no flat copy is made on our side (the difference from weights.ipc). NCCL native is not
-wired: its trainer half needs a group rank on the learner that our broadcast transport already owns,
-and config validation refuses ``weight_sync_impl=vllm`` with nccl in one line.
+ipc_handles); no flat copy is made on our side (the difference from weights.ipc). A handle is what
+vLLM 0.26's ``IPCWeightTransferEngine.receive_weights`` passes to ``rebuild_cuda_tensor`` after setting
+its index 6 to the worker's device: the ARGUMENTS of torch's ``reduce_tensor`` (its second value), not
+the (rebuild function, arguments) pair, which made 0.26's worker fail with "list assignment index out
+of range" on the H200 (2026-12-04). Those arguments hold torch types (the tensor and storage classes,
+the dtype), which vLLM's msgpack RPC to its engine core carries only with
+``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: the vLLM engine sets it when it is built with a
+``weight_transfer_config`` (actors/engines/vllm_engine.py). NCCL native is not wired: its trainer half
+needs a group rank on the learner that our broadcast transport already owns, and config validation
+refuses ``weight_sync_impl=vllm`` with nccl in one line.
 
 Invariants:
 - The sender keeps a chunk's tensors alive until its next ``next_bucket()``/``abort()``, which the
@@ -83,8 +90,17 @@ def merge_vllm_chunks(chunks: list[VllmIpcChunk]) -> VllmIpcChunk:
     return VllmIpcChunk(plan=first.plan, handles=handles)
 
 
+def ipc_args(tensor: torch.Tensor) -> tuple:
+    """What vLLM's IPC engine takes per GPU: the arguments of torch's rebuild_cuda_tensor (index 6 is
+    the device, which the worker overwrites with its own), without the rebuild function itself."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _rebuild, args = reduce_tensor(tensor)
+    return args
+
+
 class VllmIpcSender(SenderBase):
-    """Learner side: one handle per exported tensor. `share` (default torch's reduce_tensor) and
+    """Learner side: one handle per exported tensor. `share` (default `ipc_args`) and
     `uuid` are injectable so the control flow runs on CPU."""
 
     def __init__(self, export_weights: ExportWeights, bucket_mb: float, device: Any = None,
@@ -108,9 +124,7 @@ class VllmIpcSender(SenderBase):
             if torch.cuda.is_available() and self._share is None:
                 torch.cuda.empty_cache()
             return self._summary()
-        share = self._share
-        if share is None:
-            from torch.multiprocessing.reductions import reduce_tensor as share
+        share = self._share or ipc_args
         if self._uuid is None:
             self._uuid = device_uuid(self.device if self.device is not None else torch.cuda.current_device())
         named = [(n, t.detach().contiguous()) for n, t in named]
@@ -127,7 +141,7 @@ class VllmIpcSender(SenderBase):
 class VllmNativeReceiver(ReceiverBase):
     """Generator side: drives the engine's vLLM weight-transfer client (start / update / finish).
     `client` has async (or plain) ``start_weight_update()``, ``update_weights(update_info: dict)``,
-    ``finish_weight_update()`` (actors.engines.vllm_engine.VLLMEngine.weight_transfer_client)."""
+    ``finish_weight_update()`` (``VllmTransferClient`` over the engine's AsyncLLM)."""
 
     def __init__(self, load_weights: LoadWeights, client: Any):
         super().__init__(load_weights)
@@ -165,6 +179,33 @@ class VllmNativeReceiver(ReceiverBase):
             raise
 
 
+class VllmTransferClient:
+    """vLLM's weight-transfer calls on the engine's AsyncLLM, as VllmNativeReceiver drives them: init
+    (once, empty for CUDA IPC) before the first start, then start / update_weights(info) / finish."""
+
+    def __init__(self, llm: Any):
+        self.llm = llm
+        self._ready = False
+
+    @staticmethod
+    def _request(name: str, **fields: Any) -> Any:
+        from vllm.distributed.weight_transfer import base  # only where vLLM runs
+
+        return getattr(base, name)(**fields)
+
+    async def start_weight_update(self) -> None:
+        if not self._ready:
+            await self.llm.init_weight_transfer_engine(self._request("WeightTransferInitRequest", init_info={}))
+            self._ready = True
+        await self.llm.start_weight_update()
+
+    async def update_weights(self, update_info: dict) -> None:
+        await self.llm.update_weights(self._request("WeightTransferUpdateRequest", update_info=update_info))
+
+    async def finish_weight_update(self) -> None:
+        await self.llm.finish_weight_update()
+
+
 class VllmIpcTransport(Transport):
     key = TransportKey("cuda_ipc", "vllm")
 
@@ -172,11 +213,16 @@ class VllmIpcTransport(Transport):
         return VllmIpcSender(lambda mb: export_weights(mb, device="cuda"), bucket_mb, device=device)
 
     def make_receiver(self, load_weights, engine=None):
-        if engine is None or not hasattr(engine, "weight_transfer_client"):
+        built = getattr(engine, "engine", engine)  # a DeferredEngine's built engine
+        llm = getattr(built, "llm", None)
+        if llm is None:
             raise WeightSyncError("coordinator.weight_sync_impl=vllm needs the vLLM engine (generator.engine=vllm)")
-        return VllmNativeReceiver(load_weights, engine.weight_transfer_client())
+        return VllmNativeReceiver(load_weights, VllmTransferClient(llm))
 
-    def merge(self, messages):
+    def merge_messages(self, messages):
+        for message in messages:
+            if isinstance(message, SyncAbort):
+                return message
         if isinstance(messages[0], SyncSummary):
             return messages[0]
         return merge_vllm_chunks(list(messages))

@@ -265,6 +265,15 @@ def _as_uint8(data: Any) -> np.ndarray:
     return np.asarray(data, dtype=np.uint8)
 
 
+def raw_bytes(buffer: Any) -> bytes:
+    """A flat uint8 buffer (numpy array, CPU tensor or bytes) as bytes an engine's RPC (msgpack) carries."""
+    if isinstance(buffer, bytes):
+        return buffer
+    if hasattr(buffer, "numpy"):
+        buffer = buffer.numpy()
+    return memoryview(buffer).cast("B").tobytes()
+
+
 def payload_to_tensors(payload: Mapping[str, Any], expected: Mapping[str, tuple[tuple[int, ...], str]] | None = None,
                        device: torch.device | str | None = None) -> tuple[BucketPlan, NamedTensors]:
     """Inverse of bucket_to_payload: checks the plan, then views (or one copy per dtype to `device`).

@@ -4,19 +4,32 @@ A mixin of `actors.coordinator.coordinator.Coordinator` (kept apart so the step 
 the coordinator's `cfg`, `learner`, `generators`, `version`, `log` and `_broadcast_rdv`.
 
 Invariants:
-- The coordinator never touches tensors: it drives the transport bucket by bucket
-  (weights/__init__.py) and checks every receiver reports the version it was sent.
+- The coordinator never touches tensors, and knows no transport's steps: it picks the transport from
+  the config (weights.strategy, the one factory) and hands it a `weights.Link` of the two verbs, the
+  learner's `send_weights` and each generator's `receive_weights`, called as methods of their handles
+  (Ray actor methods, or plain methods in tests), never by name. The transport checks every receiver
+  reports the version it was sent.
 - A failed sync (a generator died mid-sync; Ray restarts it) is redone from bucket 0, a bounded
-  number of times with backoff; an NCCL group is rebuilt whole before the next attempt.
+  number of times with backoff; a collective transport's group (`_broadcast_rdv`, kept between
+  syncs) is rebuilt whole before the next attempt.
 - A generator Ray restarted (initial weights, or another version) gets the current version alone,
-  through the object store, while the others keep generating.
+  through the object store (`weights.strategy.fallback`) when the transport is collective, while the
+  others keep generating.
 """
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from actors.shell import call
+from weights.base import maybe_await
+from weights.protocol import Link, verb
+
+
+async def _ask(method: Any, *args: Any) -> Any:
+    """A method of an actor handle (Ray) or of a plain object, awaited alike."""
+    return await maybe_await(verb(method)(*args))
 
 
 class WeightSyncHandshake:
@@ -30,7 +43,7 @@ class WeightSyncHandshake:
             if not hasattr(g, "health"):
                 return False
             try:
-                h = await asyncio.wait_for(call(g, "health"), timeout_s)
+                h = await asyncio.wait_for(_ask(g.health), timeout_s)
             except Exception:  # noqa: BLE001 - still restarting: next round
                 return False
             return bool(h["needs_weights"]) or int(h["version"]) != self.version
@@ -42,11 +55,11 @@ class WeightSyncHandshake:
             self.log.warning("resyncing restarted generators", count=len(lagging), version=self.version)
         self.resyncs = getattr(self, "resyncs", 0) + len(lagging)
         try:
-            await asyncio.gather(*(call(g, "wake", ["weights"]) for g in lagging))
+            await asyncio.gather(*(_ask(g.wake, ["weights"]) for g in lagging))
             await self.sync_weights(self.version, targets=lagging, attempts=1)
-            await asyncio.gather(*(call(g, "set_version", self.version) for g in lagging))
-            await asyncio.gather(*(call(g, "wake", ["kv_cache"]) for g in lagging))
-            await asyncio.gather(*(call(g, "resume") for g in lagging))
+            await asyncio.gather(*(_ask(g.set_version, self.version) for g in lagging))
+            await asyncio.gather(*(_ask(g.wake, ["kv_cache"]) for g in lagging))
+            await asyncio.gather(*(_ask(g.resume) for g in lagging))
         except Exception as e:  # noqa: BLE001 - it died again mid-sync: next round
             if self.log is not None:
                 self.log.warning("generator resync failed; retrying", error=str(e).splitlines()[0][:200])
@@ -74,55 +87,22 @@ class WeightSyncHandshake:
         return time.perf_counter() - start
 
     async def _sync_once(self, version: int, generators: list) -> None:
-        from weights import drive_bucketed_sync
+        from weights.strategy import fallback, transport_for
 
-        kind = self.cfg.coordinator.weight_sync
-        if kind == "nccl" and len(generators) < len(self.generators):
-            # A broadcast needs every rank of the group: resyncing only some generators (a
+        transport = transport_for(self.cfg.coordinator, self.cfg.generator.engine)
+        collective = not transport.per_bucket
+        if collective and len(generators) < len(self.generators):
+            # A collective needs every rank of the group: resyncing only some generators (a
             # restarted one, from heal_generators) goes through the object store instead, so the
             # others keep generating. The next full sync rebuilds the group with the newcomer.
-            kind = "object_store"
-        if kind in ("object_store", "cuda_ipc"):
-            impl = getattr(self.cfg.coordinator, "weight_sync_impl", "ours") if kind == self.cfg.coordinator.weight_sync \
-                else "ours"  # a partial resync's object-store fallback is ours
-            await call(self.learner, "weight_sync_start", version, kind, self.cfg.coordinator.weight_bucket_mb, impl)
-            got = [await drive_bucketed_sync(
-                lambda: call(self.learner, "weight_sync_next"),
-                [lambda msg, g=g: call(g, "weight_sync_receive", msg, kind, impl) for g in generators],
-                abort=lambda: call(self.learner, "weight_sync_abort"))]
-        else:  # nccl (gloo on CPU): a private group of the learner (rank 0) and every generator
-            await self._broadcast_group()
-            try:
-                got = await asyncio.gather(call(self.learner, "weight_sync_broadcast", version),
-                                           *(call(g, "weight_sync_broadcast_receive", version)
-                                             for g in generators))
-            except BaseException:
-                self._broadcast_rdv = None  # a rank may be gone or the group broken: rebuild it first
-                raise
-        if any(v != version for v in got):
-            raise RuntimeError(f"weight sync finished at versions {got}, expected {version}")
-
-    async def _broadcast_group(self) -> None:
-        """nccl: builds the learner's private group with every generator, on the first sync and
-        again whenever a generator is not a member of it (Ray restarted it) or a sync failed.
-        Every rank must join at once, so the group is always rebuilt whole."""
-        rdv = self._broadcast_rdv
-        if rdv is not None:
-            joined = await asyncio.gather(*(call(g, "weight_sync_group") for g in self.generators))
-            if all(j == rdv for j in joined):
-                return
-        from weights import group_layout
-
-        self._broadcast_rdv = None
-        # A generator whose engine loads in k workers (vLLM, tensor parallelism k) takes k ranks.
-        firsts, world = group_layout(await asyncio.gather(*(call(g, "weight_sync_ranks") for g in self.generators)))
-        rdv = await call(self.learner, "weight_sync_listen", world, self.cfg.coordinator.weight_bucket_mb)
-        await asyncio.gather(call(self.learner, "weight_sync_init"),
-                             *(call(g, "weight_sync_join", rdv, first) for first, g in zip(firsts, self.generators)))
-        self._broadcast_rdv = rdv
-        if self.log is not None:
-            self.log.info("weight-sync group built", backend=rdv.backend, world_size=rdv.world_size,
-                          host=rdv.host, port=rdv.port)
+            transport, collective = fallback(), False
+        link = Link(verb(self.learner.send_weights), [verb(g.receive_weights) for g in generators],
+                    group=self._broadcast_rdv if collective else None, log=self.log)
+        try:
+            await transport.sync(link, version, self.cfg.coordinator.weight_bucket_mb)
+        finally:
+            if collective:
+                self._broadcast_rdv = link.group
 
     async def initial_sync(self, warm_start_metrics: dict[str, float]) -> None:
         """Before the first step. Colocated, the learner goes to sleep first (optimizer state to the host
@@ -130,13 +110,13 @@ class WeightSyncHandshake:
         learner, not an awake one. After a warm start (which ran with colocated engines asleep) the
         generators hold the initial weights: wake them, give them version 0, let them pull again."""
         if self.cfg.coordinator.mode == "colocated":
-            await call(self.learner, "sleep")
+            await _ask(self.learner.sleep)
         if not warm_start_metrics:
             return
         if self.log is not None:
             self.log.info("warm-start done", **{k: round(v, 4) for k, v in warm_start_metrics.items()})
-        await self._all_generators("wake", ["weights"])
+        await asyncio.gather(*(_ask(g.wake, ["weights"]) for g in self.generators))
         await self.sync_weights(self.version)
-        await self._all_generators("set_version", self.version)
-        await self._all_generators("wake", ["kv_cache"])
-        await self._all_generators("resume")  # sleep paused them
+        await asyncio.gather(*(_ask(g.set_version, self.version) for g in self.generators))
+        await asyncio.gather(*(_ask(g.wake, ["kv_cache"]) for g in self.generators))
+        await asyncio.gather(*(_ask(g.resume) for g in self.generators))  # sleep paused them

@@ -12,10 +12,11 @@ Invariants:
   copies tensors; `finish_weight_update(version)` ends the update and is the ONE call that
   sets the engine's policy version. A group is stamped with the version current when its
   request started.
-- Transports: an engine whose weights live in other processes (vLLM's workers) has
-  `loads_in_workers = True` and opens transport messages there itself (`load_ipc_bucket`,
-  `load_flat_bucket`, `join_weight_group` / `receive_weight_group`); the generator then hands it
-  the message instead of tensors. Every other engine takes tensors through `load_weights`.
+- Transports: the engine knows none. An engine whose weights live in other processes (vLLM's
+  workers) has `loads_in_workers = True`, says how many workers it has (`num_workers`) and runs a
+  transport's worker step in every one of them (`in_workers(key, op, *args)`, weights.protocol);
+  the transport then hands it messages instead of tensors. Every other engine takes tensors
+  through `load_weights`.
 - Partial rollouts (async mode): an engine with `supports_partial` parks its running requests on
   `interrupt()` (returns once nothing decodes; their `generate` calls stay pending) and continues
   them on `continue_interrupted()` from the tokens they have, under whatever weights it holds then.
@@ -124,23 +125,13 @@ class Engine(abc.ABC):
         """Continues every parked request under the current weights; returns how many."""
         return 0
 
-    async def load_ipc_bucket(self, message: Any) -> None:
-        """CUDA IPC: one merged bucket (plan + handles by device uuid), opened by each worker on its GPU."""
-        raise NotImplementedError(f"{type(self).__name__} takes tensors through load_weights")
-
-    async def load_flat_bucket(self, plan: Any, buffers: dict[str, Any]) -> None:
-        """Object store: one checked plan and its raw uint8 buffers, rebuilt in the workers."""
-        raise NotImplementedError(f"{type(self).__name__} takes tensors through load_weights")
-
-    def weight_sync_ranks(self) -> int:
-        """Ranks this engine takes in a broadcast weight-sync group (one per worker process)."""
+    def num_workers(self) -> int:
+        """Worker processes that hold this engine's weights (vLLM: one per tensor-parallel rank)."""
         return 1
 
-    async def join_weight_group(self, rendezvous: Any, first_rank: int) -> None:
-        raise NotImplementedError(f"{type(self).__name__}'s generator joins the group itself")
-
-    async def receive_weight_group(self, version: int) -> int:
-        raise NotImplementedError(f"{type(self).__name__}'s generator joins the group itself")
+    async def in_workers(self, key: Any, op: str, *args: Any, timeout: float | None = 600.0) -> list:
+        """Runs step `op` of weight-sync transport `key` in every worker; each worker's result."""
+        raise NotImplementedError(f"{type(self).__name__} takes tensors through load_weights")
 
     @abc.abstractmethod
     async def generate(self, task: PromptTask) -> RolloutGroup:
@@ -245,20 +236,11 @@ class DeferredEngine(Engine):
             raise EngineAsleep(f"{what} on an engine not built yet: wake(['weights']) first")
         return self.engine
 
-    async def load_ipc_bucket(self, message: Any) -> None:
-        await self._built("load_ipc_bucket").load_ipc_bucket(message)
+    def num_workers(self) -> int:
+        return self.engine.num_workers() if self.engine is not None else 1
 
-    async def load_flat_bucket(self, plan: Any, buffers: dict[str, Any]) -> None:
-        await self._built("load_flat_bucket").load_flat_bucket(plan, buffers)
-
-    def weight_sync_ranks(self) -> int:
-        return self.engine.weight_sync_ranks() if self.engine is not None else 1
-
-    async def join_weight_group(self, rendezvous: Any, first_rank: int) -> None:
-        await self._built("join_weight_group").join_weight_group(rendezvous, first_rank)
-
-    async def receive_weight_group(self, version: int) -> int:
-        return await self._built("receive_weight_group").receive_weight_group(version)
+    async def in_workers(self, key: Any, op: str, *args: Any, timeout: float | None = 600.0) -> list:
+        return await self._built("in_workers").in_workers(key, op, *args, timeout=timeout)
 
     @property
     def supports_partial(self) -> bool:  # type: ignore[override]

@@ -12,12 +12,16 @@ Invariants:
   sleep / wake_up; the prefix cache is reset after every weight update.
 - Weights reach EVERY worker (tensor-parallel ranks included) through the worker extension
   (actors/engines/vllm_worker.py), never as tensors through collective_rpc (its msgpack turns a
-  tensor into a list): CUDA IPC handles as pickled bytes, opened by each worker on its own GPU
-  (`load_ipc_bucket`); a broadcast group each worker joins itself (`join_weight_group` /
-  `receive_weight_group`); or the plan plus raw bytes per dtype (`load_flat_bucket`, and
-  `load_weights`, which flattens its tensors first). Every worker must report the bucket's tensor
-  count, else the load is an error. `finish_weight_update(version)` empties the workers' allocator
-  caches, resets the prefix cache and only then sets the version.
+  tensor into a list): `in_workers(key, op, *args)` runs a weight-sync transport's worker step in
+  each worker with plain arguments (the transports in weights/ say what they send: CUDA IPC handles
+  as pickled bytes, a broadcast group each worker joins, or the plan plus raw bytes per dtype, which
+  `load_weights` also uses after flattening its tensors). Every worker must report the bucket's
+  tensor count, else the load is an error. `finish_weight_update(version)` empties the workers'
+  allocator caches, resets the prefix cache and only then sets the version.
+- Built with a `weight_transfer_config` (coordinator.weight_sync_impl=vllm: vLLM's own CUDA-IPC
+  weight transfer, weights/vllm_native.py), the engine sets VLLM_ALLOW_INSECURE_SERIALIZATION=1
+  before vLLM starts its engine core, unless the user set it: vLLM 0.26's IPC handles hold torch
+  types that its msgpack RPC carries only so.
 - Without flashinfer, vLLM 0.26's default sampler fails at start-up: the engine sets
   VLLM_USE_FLASHINFER_SAMPLER=0 itself when flashinfer is not importable (and logs it once), unless
   the user set the variable.
@@ -67,7 +71,7 @@ VLLM_API: list[tuple[str, tuple[str, ...]]] = [
     ("vllm.v1.engine.async_llm.AsyncLLM.collective_rpc", ("method", "timeout", "args")),
     ("vllm.v1.engine.async_llm.AsyncLLM.reset_prefix_cache", ()),
     ("vllm.v1.engine.async_llm.AsyncLLM.shutdown", ()),
-    # coordinator.weight_sync_impl=vllm (VllmTransferClient): vLLM's own weight-transfer protocol
+    # coordinator.weight_sync_impl=vllm (weights/vllm_native.py): vLLM's own weight-transfer protocol
     ("vllm.config.WeightTransferConfig", ("backend",)),
     ("vllm.distributed.weight_transfer.base.WeightTransferInitRequest", ("init_info",)),
     ("vllm.distributed.weight_transfer.base.WeightTransferUpdateRequest", ("update_info",)),
@@ -190,13 +194,17 @@ def ensure_spawn_env(environ: dict | None = None) -> bool:
     return True
 
 
-def _raw(buffer: Any) -> bytes:
-    """A flat uint8 buffer (numpy array, CPU tensor or bytes) as bytes msgpack carries."""
-    if isinstance(buffer, bytes):
-        return buffer
-    if hasattr(buffer, "numpy"):
-        buffer = buffer.numpy()
-    return memoryview(buffer).cast("B").tobytes()
+def ensure_native_transfer_env(engine_args: Mapping[str, Any], environ: dict | None = None) -> bool:
+    """VLLM_ALLOW_INSECURE_SERIALIZATION=1 when the engine is built with vLLM's own weight transfer
+    (its IPC update info holds torch types: the tensor and storage classes, the dtype), unless the user
+    set the variable; returns whether it set it. The messages are our own learner's, through our own
+    generator, to the engine core this process spawns."""
+    env = os.environ if environ is None else environ
+    if engine_args.get("weight_transfer_config") is None or "VLLM_ALLOW_INSECURE_SERIALIZATION" in env:
+        return False
+    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    log.warning("vLLM's own weight transfer: VLLM_ALLOW_INSECURE_SERIALIZATION=1 (its IPC handles hold torch types)")
+    return True
 
 
 class VLLMEngine(PartialRequests, Engine):
@@ -210,6 +218,7 @@ class VLLMEngine(PartialRequests, Engine):
         ensure_sampler_env()
         ensure_spawn_env()
         args = build_engine_args(generator_cfg, model_cfg, model_path, engine_arg_fields())
+        ensure_native_transfer_env(args)
         AsyncEngineArgs = _sym("vllm.AsyncEngineArgs")
         self.llm = _sym("vllm.v1.engine.async_llm.AsyncLLM.from_engine_args")(AsyncEngineArgs(**args))
         hf_config = getattr(getattr(self.llm, "model_config", None), "hf_config", None)
@@ -275,55 +284,31 @@ class VLLMEngine(PartialRequests, Engine):
 
     # -- weight updates: every one runs in vLLM's workers (actors/engines/vllm_worker.py) ----------
 
-    async def _rpc(self, method: str, *args: Any, expect: int | None = None, timeout: float | None = 600.0) -> list:
+    async def _rpc(self, method: str, *args: Any, timeout: float | None = 600.0) -> list:
         started = time.perf_counter()
         results = await self.llm.collective_rpc(method=method, timeout=timeout, args=args)
         self._load_s += time.perf_counter() - started
-        if expect is not None and any(r != expect for r in results):
-            raise RuntimeError(f"vLLM {method}: workers loaded {results} tensors, the bucket has {expect}")
         return results
 
+    async def in_workers(self, key: Any, op: str, *args: Any, timeout: float | None = 600.0) -> list:
+        """A weight-sync transport's step in every worker (the extension's `arl_weights`)."""
+        return await self._rpc("arl_weights", key.kind, key.impl, op, *args, timeout=timeout)
+
+    def num_workers(self) -> int:
+        """One per tensor-parallel rank: each takes its own rank in a broadcast group."""
+        return int(self.cfg.tensor_parallel_size)
+
     async def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
-        """Plain bytes: the bucket flattened on the CPU, its plan, one raw buffer per dtype."""
-        from weights.wire import flatten_bucket
+        """Plain bytes: the bucket flattened on the CPU, its plan, one raw buffer per dtype (the object
+        store transport's worker step, which rebuilds them on each worker's device)."""
+        from weights.protocol import TransportKey, in_workers
+        from weights.wire import encode_message, flatten_bucket, raw_bytes
 
         named = [(n, t.detach().cpu()) for n, t in named_tensors]
         plan, buffers = flatten_bucket(named, int(version), 0, device="cpu")
         del named
-        await self.load_flat_bucket(plan, buffers)
-
-    async def load_flat_bucket(self, plan: Any, buffers: dict[str, Any]) -> None:
-        from weights.wire import encode_message
-
-        raw = {d: _raw(b) for d, b in buffers.items()}
-        await self._rpc("arl_load_flat", encode_message(plan), raw, expect=len(plan.tensors))
-
-    async def load_ipc_bucket(self, message: Any) -> None:
-        """CUDA IPC: each worker opens the handle of its own GPU (the learner rank beside it)."""
-        from weights.ipc import ipc_message_to_bytes
-        from weights.wire import decode_message
-
-        count = len(decode_message(message.plan).tensors)
-        await self._rpc("arl_load_ipc", ipc_message_to_bytes(message), expect=count)
-
-    def weight_transfer_client(self) -> "VllmTransferClient":
-        """coordinator.weight_sync_impl=vllm: vLLM's own start/update/finish calls (weights/vllm_native.py)."""
-        return VllmTransferClient(self.llm)
-
-    def weight_sync_ranks(self) -> int:
-        """How many ranks this engine takes in a broadcast group: one per worker."""
-        return int(self.cfg.tensor_parallel_size)
-
-    async def join_weight_group(self, rendezvous: Any, first_rank: int) -> None:
-        rdv = dataclasses.asdict(rendezvous) if dataclasses.is_dataclass(rendezvous) else dict(rendezvous)
-        self._group_timeout_s = float(rdv["timeout_s"]) + 30  # the group's own waits end first
-        await self._rpc("arl_join_group", rdv, int(first_rank), timeout=self._group_timeout_s)
-
-    async def receive_weight_group(self, version: int) -> int:
-        got = await self._rpc("arl_receive_group", int(version), timeout=getattr(self, "_group_timeout_s", 630.0))
-        if any(g != version for g in got):
-            raise RuntimeError(f"vLLM arl_receive_group: workers finished versions {got}, expected {version}")
-        return int(version)
+        raw = {d: raw_bytes(b) for d, b in buffers.items()}
+        await in_workers(self, TransportKey("object_store"), "load", encode_message(plan), raw, expect=len(plan.tensors))
 
     async def finish_weight_update(self, version: int) -> None:
         self.worker_memory = await self._rpc("arl_finish")  # the loads' temporaries back to the device
@@ -347,24 +332,3 @@ class VLLMEngine(PartialRequests, Engine):
 
     async def close(self) -> None:
         self.llm.shutdown()
-
-
-class VllmTransferClient:
-    """vLLM's weight-transfer calls on the AsyncLLM, as weights.vllm_native.VllmNativeReceiver drives them:
-    init (once, empty for CUDA IPC) before the first start, then start / update_weights(info) / finish."""
-
-    def __init__(self, llm: Any):
-        self.llm = llm
-        self._ready = False
-
-    async def start_weight_update(self) -> None:
-        if not self._ready:
-            await self.llm.init_weight_transfer_engine(_sym("vllm.distributed.weight_transfer.base.WeightTransferInitRequest")(init_info={}))
-            self._ready = True
-        await self.llm.start_weight_update()
-
-    async def update_weights(self, update_info: dict) -> None:
-        await self.llm.update_weights(_sym("vllm.distributed.weight_transfer.base.WeightTransferUpdateRequest")(update_info=update_info))
-
-    async def finish_weight_update(self) -> None:
-        await self.llm.finish_weight_update()

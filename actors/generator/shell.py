@@ -5,8 +5,10 @@ Invariants:
 - It takes the node-local GPU ids of its engine's bundles (`device_ids`, from the placement) and
   sets CUDA_VISIBLE_DEVICES to exactly those before the engine is built, so an engine's
   tensor-parallel workers land on them.
-- Weight-sync messages go to the engine as they came when its weights live in its own worker
-  processes (vLLM: `loads_in_workers`), else as tensors through `load_weights`.
+- Weight sync is one verb, `receive_weights(call)`, forwarded to this generator's end of the
+  transport (weights.endpoint.ReceiveEnd): the transport decides what reaches the engine (messages
+  as they came when its weights live in its own workers, vLLM; tensors through `load_weights`
+  otherwise). When a whole sync has arrived the shell ends the engine's update and serves again.
 - A generator Ray restarted serves nothing until the coordinator has synced it (`health()`).
 """
 from __future__ import annotations
@@ -17,7 +19,6 @@ from typing import Any
 import structlog
 
 from actors.generator.generator import Generator
-from queues.errors import one_line
 
 log = structlog.get_logger("arctic_rl.generator")
 
@@ -53,8 +54,9 @@ class GeneratorShell:
         self._weights_ready = asyncio.Event()
         if not self.needs_weights:
             self._weights_ready.set()
-        self._broadcast = None  # nccl transport: our rank of the learner's group, and its rendezvous
-        self._broadcast_rdv = None
+        from weights.endpoint import ReceiveEnd
+
+        self._weights_in = ReceiveEnd(self.gen.load_weights, lambda: self.gen.engine)
 
     def _weights_loaded(self) -> None:
         self.needs_weights = False
@@ -132,61 +134,14 @@ class GeneratorShell:
     async def stats(self) -> dict[str, float]:
         return self.gen.stats()
 
-    async def weight_sync_ranks(self) -> int:
-        """Ranks this generator takes in the nccl group, from `rank` given to weight_sync_join on."""
-        return self.gen.engine.weight_sync_ranks()
-
-    async def weight_sync_join(self, rendezvous: Any, rank: int) -> None:
-        """nccl transport: joins the learner's private group (concurrently with every other rank).
-        An engine with its own workers (vLLM) joins from each worker, as ranks rank, rank+1, ..."""
-        from weights.broadcast import BroadcastReceiver
-
-        old, self._broadcast, self._broadcast_rdv = self._broadcast, None, None
-        if old is not None and old != "engine":
-            try:
-                old.close()
-            except Exception as e:  # noqa: BLE001 - a broken group; the new one replaces it anyway
-                log.warning("closing the previous weight-sync group failed: %s", one_line(e))
-        if self.gen.engine.loads_in_workers:
-            await self.gen.engine.join_weight_group(rendezvous, rank)
-            self._broadcast, self._broadcast_rdv = "engine", rendezvous
-            return
-        receiver = BroadcastReceiver(self.gen.load_weights)
-        await asyncio.to_thread(receiver.init, rendezvous, rank)
-        self._broadcast, self._broadcast_rdv = receiver, rendezvous
-
-    async def weight_sync_group(self) -> Any:
-        """The rendezvous of the group we joined; None after a restart (the coordinator rebuilds)."""
-        return self._broadcast_rdv
-
-    async def weight_sync_broadcast_receive(self, version: int) -> int:
-        """One sync, concurrently with the learner's weight_sync_broadcast and the other ranks'."""
-        if self._broadcast is None:
-            raise RuntimeError("weight_sync_broadcast_receive: this generator is in no weight-sync group "
-                               "(restarted?); weight_sync_join first")
-        if self._broadcast == "engine":
-            got = await self.gen.engine.receive_weight_group(version)
-        else:
-            got = await self._broadcast.receive_all(version)
-        await self.gen.finish_weight_update(got)
-        self._weights_loaded()
-        return got
-
-    async def weight_sync_receive(self, message: Any, kind: str = "object_store", impl: str = "ours") -> int | None:
-        """One bucket (or the closing summary) of a bucketed sync; the receiver half comes from the
-        one factory (weights.strategy)."""
-        in_workers = self.gen.engine.loads_in_workers
-        if getattr(self, "_receiver_kind", None) != (kind, impl, in_workers):
-            from weights.strategy import get_transport
-
-            transport = get_transport(kind, impl)
-            self._receiver = transport.make_receiver(self.gen.load_weights, self.gen.engine if in_workers else None)
-            self._receiver_kind = (kind, impl, in_workers)
-        version = await self._receiver.receive(message)
-        if version is not None:
-            await self.gen.finish_weight_update(version)
+    async def receive_weights(self, call: Any) -> Any:
+        """One step of a weight sync (a weights.WeightsCall from the coordinator); a step that completes
+        a sync ends the engine's update under its version."""
+        reply, completed = await self._weights_in.handle(call)
+        if completed is not None:
+            await self.gen.finish_weight_update(completed)
             self._weights_loaded()
-        return version
+        return reply
 
 
 def __getattr__(name: str):

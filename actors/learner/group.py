@@ -12,9 +12,10 @@ Invariants:
 - A step's TrainBatch is read from the `batches` stream by rank 0 alone; every rank trains on the
   same bytes (rank 0 puts them in the object store once); the message is acked only after every
   rank finished the step, so a rank that dies mid-step leaves it pending for the resumed run.
-- Weight export under ZeRO-3 is collective: every rank iterates its export in lockstep and only
-  rank 0's buckets leave (object_store, nccl); with cuda_ipc every rank sends for its own GPU and
-  the per-rank buckets are merged into one message (the transport's `merge`: weights.strategy).
+- Weight sync is one verb, `send_weights(call)`: the transport says which ranks take part in each of
+  its steps and how their replies become one (`fan_out` / `merge`, weights/). Under ZeRO-3 the export
+  is collective, so every rank iterates it in lockstep and only rank 0's buckets leave
+  (object_store, nccl); with cuda_ipc every rank sends for its own GPU and the buckets are merged.
 
 The group is a plain picklable object (actor handles and numbers), so it travels to the
 coordinator actor like a single handle did.
@@ -39,7 +40,6 @@ class LearnerGroup:
             raise ValueError("a LearnerGroup needs at least one rank")
         self.ranks = list(ranks)
         self.zero_stage = int(zero_stage)
-        self._transport = None  # the weight-sync transport in flight (weight_sync_start sets it)
 
     @property
     def world_size(self) -> int:
@@ -89,10 +89,6 @@ class LearnerGroup:
     async def _rank0(self, method: str, *args, **kwargs):
         return await getattr(self.ranks[0], method).remote(*args, **kwargs)
 
-    def _exporters(self) -> list:
-        """Ranks that run a weight export: all under ZeRO-3 (its gathers are collective), else rank 0."""
-        return self.ranks if self.zero_stage == 3 else self.ranks[:1]
-
     # ------------------------------------------------------------------ what the coordinator calls
 
     async def connect(self, redis_url: str, run_id: str) -> None:
@@ -134,36 +130,11 @@ class LearnerGroup:
     async def pid(self) -> int:
         return await self._rank0("pid")
 
-    # weight sync: object_store / cuda_ipc (bucket by bucket, driven by the coordinator)
-
-    async def weight_sync_start(self, version: int, kind: str, bucket_mb: int, impl: str = "ours") -> None:
+    async def send_weights(self, call):
+        """One step of a weight sync: to the ranks the transport names, their replies made one."""
         from weights.strategy import get_transport
 
-        self._transport = get_transport(kind, impl)
-        await asyncio.gather(*(r.weight_sync_start.remote(version, kind, bucket_mb, impl) for r in self._senders()))
-
-    def _senders(self) -> list:
-        return self.ranks if self._transport.all_ranks_send() else self._exporters()
-
-    async def weight_sync_next(self):
-        if self.world_size == 1:
-            return await self._rank0("weight_sync_next")
-        outs = await asyncio.gather(*(r.weight_sync_next.remote() for r in self._senders()))
-        return self._transport.merge(list(outs))  # without all_ranks_send, the others only gathered
-
-    async def weight_sync_abort(self) -> None:
-        await self._all("weight_sync_abort")
-
-    # weight sync: nccl (gloo on CPU): rank 0 broadcasts; under ZeRO-3 the others take part in the gathers
-
-    async def weight_sync_listen(self, world_size: int, bucket_mb: int):
-        return await self._rank0("weight_sync_listen", world_size, bucket_mb)
-
-    async def weight_sync_init(self) -> None:
-        await self._rank0("weight_sync_init")
-
-    async def weight_sync_broadcast(self, version: int) -> int:
-        helpers = self._exporters()[1:]
-        outs = await asyncio.gather(self.ranks[0].weight_sync_broadcast.remote(version),
-                                    *(r.weight_sync_export_only.remote() for r in helpers))
-        return outs[0]
+        transport = get_transport(call.key.kind, call.key.impl)
+        plan = transport.fan_out(call, self.world_size, self.zero_stage)
+        replies = await asyncio.gather(*(self.ranks[rank].send_weights.remote(c) for rank, c in plan))
+        return transport.merge(call, list(replies))

@@ -7,8 +7,8 @@ Invariants:
   already trained is acked and skipped, so a resumed run never trains a step twice.
 - A world of one trains straight from the stream (`train_from_stream`); a larger world goes
   through `take_batch` / `train_taken` + `train_bytes` / `finish_taken` driven by the group.
-- Weight-sync senders live here: rank 0 sends; under ZeRO-3 the other ranks run the same export
-  (its gathers are collective) and drop what it yields.
+- Weight sync is one verb, `send_weights(call)`, forwarded to this rank's end of the transport
+  (weights.endpoint.SendEnd): which rank sends what, and how, is the transport's (weights/).
 - Importing this module never imports or starts Ray; `LearnerActor` is built on first use.
 """
 from __future__ import annotations
@@ -23,24 +23,6 @@ from actors.learner.learner import Learner
 from queues.messages import TrainBatch
 
 log = structlog.get_logger("arctic_rl.learner")
-
-
-class _ExportOnly:
-    """A weight-sync sender that runs the export (its ZeRO-3 gathers) and sends nothing."""
-
-    def __init__(self, export_weights, bucket_mb: float):
-        self.export_weights, self.bucket_mb, self._buckets = export_weights, bucket_mb, None
-
-    def start(self, version: int) -> None:
-        self._buckets = iter(self.export_weights(self.bucket_mb))
-
-    def next_bucket(self) -> None:
-        next(self._buckets, None)
-
-    def abort(self) -> None:
-        if self._buckets is not None and hasattr(self._buckets, "close"):
-            self._buckets.close()
-        self._buckets = None
 
 
 class LearnerShell:
@@ -67,7 +49,10 @@ class LearnerShell:
         self.learner = Learner(*self._args) if self.world_size == 1 else None
         self.trained_steps: set[int] = set()
         self.train_counts: dict[int, list[int]] = {}  # step -> [times trained, groups in its batch]
-        self.sender = None
+        from weights.endpoint import SendEnd
+
+        self._weights_out = SendEnd(lambda *a, **kw: self.learner.export_weights(*a, **kw), self.rank,
+                                    device=lambda: self.learner.device)
         self._taken = None  # (msg_id, batch) read from the stream, trained, not yet acked
 
     def __repr__(self) -> str:  # the Ray dashboard's Repr column: live state
@@ -170,59 +155,9 @@ class LearnerShell:
     def sft_step(self, pairs, lr=None) -> float:
         return self.learner.sft_step(pairs, lr=lr)
 
-    def weight_sync_start(self, version: int, kind: str, bucket_mb: int, impl: str = "ours") -> None:
-        """A bucketed sync's sender half, from the one factory (weights.strategy)."""
-        from weights.strategy import get_transport
-
-        transport = get_transport(kind, impl)
-        if self.rank > 0 and not transport.all_ranks_send():
-            # ZeRO-3: the gathers are collective; this rank exports in lockstep and drops its buckets.
-            self.sender = _ExportOnly(self.learner.export_weights, bucket_mb)
-        else:
-            self.sender = transport.make_sender(self.learner.export_weights, bucket_mb, rank=self.rank)
-        self.sender.start(version)
-
-    def weight_sync_listen(self, world_size: int, bucket_mb: int):
-        """nccl transport, step 1: a new private group (NCCL on GPU, gloo on CPU) replaces any
-        previous one; binds its store and returns the rendezvous the generators join."""
-        import weights as weight_sync
-
-        old, self.broadcaster = getattr(self, "broadcaster", None), None
-        if old is not None:
-            try:
-                old.close()
-            except Exception as e:  # noqa: BLE001 - a broken group (a send may still be failing in its thread)
-                log.warning("learner.weight_sync_close_failed", error=repr(e)[:200])
-        device = self.learner.device
-        self.broadcaster = weight_sync.BroadcastSender(
-            lambda mb: self.learner.export_weights(mb, device=device), bucket_mb,
-            backend="nccl" if device.type == "cuda" else "gloo", device=device)
-        return self.broadcaster.listen(world_size)
-
-    async def weight_sync_init(self) -> None:
-        """Step 2, concurrently with every generator's weight_sync_join."""
-        import asyncio
-
-        await asyncio.to_thread(self.broadcaster.init)
-
-    async def weight_sync_broadcast(self, version: int) -> int:
-        """Each sync, concurrently with every generator's weight_sync_broadcast_receive."""
-        import asyncio
-
-        return (await asyncio.to_thread(self.broadcaster.send, version)).version
-
-    async def weight_sync_export_only(self) -> None:
-        """nccl under ZeRO-3, ranks > 0: the export's gathers, concurrently with rank 0's broadcast."""
-        import asyncio
-
-        await asyncio.to_thread(lambda: [None for _ in self.learner.export_weights()])
-
-    def weight_sync_next(self):
-        return self.sender.next_bucket()
-
-    def weight_sync_abort(self) -> None:
-        if self.sender is not None:
-            self.sender.abort()
+    async def send_weights(self, call):
+        """This rank's step of a weight sync (a weights.WeightsCall from the coordinator or the group)."""
+        return await self._weights_out.handle(call)
 
     def save(self, path: str) -> str:
         import json
