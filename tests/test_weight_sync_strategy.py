@@ -126,3 +126,47 @@ def test_fake_vllm_chunks_merge_handles_per_tensor_and_refuse_a_shared_gpu():
         merge_vllm_chunks([chunks[0], chunks[0]])
     assert isinstance(get_transport("cuda_ipc", "vllm").merge_messages([SyncSummary(version=0, num_buckets=1, num_tensors=2,
                                                                            nbytes=20)] * 2), SyncSummary)
+
+
+def test_fake_vllm_ipc_handles_are_rebuild_arguments_as_vllm_0_26_indexes_them(monkeypatch):
+    """vLLM 0.26's IPCWeightTransferEngine sets index 6 (the device) of each handle and calls
+    rebuild_cuda_tensor(*handle): a handle is reduce_tensor's arguments, not the (function, arguments)
+    pair (a pair made the worker fail with "list assignment index out of range" on the H200)."""
+    import torch.multiprocessing.reductions as reductions
+
+    def rebuild(*args):
+        raise AssertionError("a function must not travel")
+
+    def fake_reduce_tensor(tensor):  # no GPU here: the shape of torch's answer for a CUDA tensor, 15 arguments
+        return rebuild, (type(tensor), tensor.shape, tensor.stride(), 0, "storage", tensor.dtype, 3, b"handle",
+                         tensor.numel() * tensor.element_size(), 0, False, b"ref", 0, b"event", True)
+
+    monkeypatch.setattr(reductions, "reduce_tensor", fake_reduce_tensor)
+    params = {"a": torch.ones(2, 3), "b": torch.zeros(4)}
+    sender = VllmIpcSender(_export(params), 1.0, uuid="GPU-0")
+    sender.start(1)
+    chunk = sender.next_bucket()
+    handles = chunk.update_info()["ipc_handles"]
+    for (name, tensor), handle in zip(list(params.items())[:2], handles):
+        args = list(handle["GPU-0"])  # what vLLM 0.26's receive_weights does with it
+        assert not any(callable(a) and not isinstance(a, type) for a in args)
+        assert args[6] == 3 and tuple(args[1]) == tuple(tensor.shape)
+        args[6] = 0  # the worker's own device index: fits, as it did not with a (function, args) pair
+
+
+def test_fan_out_names_the_ranks_of_each_step_and_a_missing_step_is_one_line():
+    store, ipc, nccl = (get_transport(k) for k in ("object_store", "cuda_ipc", "nccl"))
+    ranks = lambda t, op, zero=0: [(r, c.op) for r, c in t.fan_out(t.call(op), 4, zero)]  # noqa: E731
+    assert ranks(store, "next") == [(0, "next")]                           # rank 0 alone sends
+    assert ranks(store, "next", 3) == [(r, "next") for r in range(4)]      # ZeRO-3: every rank gathers
+    assert ranks(store, "abort") == [(r, "abort") for r in range(4)]       # an abort reaches every rank
+    assert ranks(ipc, "next") == [(r, "next") for r in range(4)]           # each rank its own GPU
+    assert ranks(nccl, "send") == [(0, "send")]
+    assert ranks(nccl, "send", 3) == [(0, "send")] + [(r, "export") for r in (1, 2, 3)]
+    assert ranks(nccl, "listen", 3) == [(0, "listen")]
+    for where, run in [("sender", lambda t: t.on_sender(None, t.call("fly"))),
+                       ("worker", lambda t: t.on_worker(None, "fly"))]:
+        for t in (store, ipc, nccl):
+            with pytest.raises(WeightSyncError, match=f"no {where} step 'fly'") as e:
+                run(t)
+            assert "\n" not in str(e.value)

@@ -97,6 +97,8 @@ class BroadcastTransport(Transport):
         """listen(world_size, bucket_mb): a new group (closing any previous one) -> its Rendezvous;
         init: join it; send(version) -> the version, once every receiver acknowledged; export: the
         ZeRO-3 gathers alone (ranks > 0)."""
+        if call.op not in ("listen", "init", "send", "export"):
+            raise self.refuse("sender", call.op)
         if call.op == "listen":
             world_size, bucket_mb = call.args
             old = end.halves.pop(self.key, None)
@@ -112,8 +114,6 @@ class BroadcastTransport(Transport):
             ExportOnly(end.export_weights, 512).run()
             return None
         sender = end.halves.get(self.key)
-        if call.op not in ("init", "send"):
-            raise self.refuse("sender", call.op)
         if sender is None:
             raise WeightSyncError(f"weight sync {self.key}: {call.op!r} before 'listen'")
         if call.op == "init":

@@ -154,6 +154,8 @@ class Transport:
     def on_sender(self, end: Any, call: WeightsCall) -> Any:
         """A per-bucket sender step on a learner rank (weights.endpoint.SendEnd). A rank other than 0
         of a transport where only rank 0 sends exports in lockstep and drops its buckets."""
+        if call.op not in ("start", "next", "abort"):
+            raise self.refuse("sender", call.op)
         if call.op == "start":
             version, bucket_mb = call.args
             if end.rank > 0 and not self.all_ranks_send():
@@ -168,11 +170,9 @@ class Transport:
             if sender is None:
                 raise WeightSyncError(f"weight sync {self.key}: 'next' before 'start'")
             return sender.next_bucket()
-        if call.op == "abort":
-            if sender is not None:
-                sender.abort()
-            return None
-        raise self.refuse("sender", call.op)
+        if sender is not None:  # abort
+            sender.abort()
+        return None
 
     # -- a generator --------------------------------------------------------------------------------
 
