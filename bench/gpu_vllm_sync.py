@@ -19,7 +19,9 @@ SYNC=compare (the issue-23 measurement): ours (weights.ipc) and vLLM's own weigh
 coordinator.weight_sync_impl=vllm) in ONE process on the same engine and learner, CYCLES cycles each, back to
 back; prints one table: seconds per sync (mean, max), device memory after the phase's generates (growth over its
 cycles) and the mismatch KL (k3) of the samples each impl's syncs produced. Needs vLLM (stops in one line
-without it, as on CPU).
+without it, as on CPU). With a vLLM impl the engine is built with `weight_transfer_config` (backend ipc) and
+so sets VLLM_ALLOW_INSECURE_SERIALIZATION=1 itself (vLLM 0.26's IPC handles hold torch types); ours does
+not need it.
 
 Env: ENGINE (vllm|transformers), MODEL (0.6B|smoke), CYCLES (5), SYNC (ipc|vllm|compare|bytes: the plain-bytes path), LR (1e-3: one Adam step visibly
 moves a random model), BUCKET_MB (512), GPU_UTIL (0.3), OUT (results dir; $OUT on the device).
