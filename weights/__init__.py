@@ -12,8 +12,8 @@ extension's ``arl_weights``), each forwarding a ``WeightsCall`` to its end (``we
 **Adding a transport touches weights/ only, and no existing class:** one new module with its
 ``Transport`` subclass (and, as the existing ones have, a sender and a receiver class: three new
 classes in all) plus one line in ``weights.strategy.REGISTRY``. No shell, engine, learner group or
-coordinator method changes. (A new placement kind, not a new way to move an existing one, is also a
-new value of the config's ``coordinator.weight_sync``.)
+coordinator method changes. (Outside code, a user picks it by its key, so a key whose kind or impl
+is new is also a new value of the config's ``coordinator.weight_sync`` / ``weight_sync_impl``.)
 
 This module is the one name callers import (``import weights as weight_sync``); the code lives
 in one file per concern, each with its invariants in its docstring:
