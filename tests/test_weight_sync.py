@@ -377,7 +377,7 @@ def _receiver_that_joins_then_waits(rdv_queue, joined):
 
 def test_send_to_a_dead_receiver_ends_when_the_group_is_closed_not_at_its_timeout():
     """A generator killed mid-sync: the learner's send waits for its ack. The coordinator replaces
-    the group (weight_sync_listen closes the old sender): that send must end within seconds, not
+    the group (the nccl transport's `listen` step closes the old sender): that send must end within seconds, not
     hold its thread for the group timeout (600 s here, as in a run)."""
     ctx = mp.get_context("spawn")
     rdv_queue, joined = ctx.Queue(), ctx.Event()

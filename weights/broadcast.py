@@ -13,7 +13,7 @@ Invariants:
 - Every wait is bounded by the rendezvous timeout; ``close()`` from another thread ends a send that
   waits on a dead receiver within a second (NCCL groups are aborted, not left hanging).
 - ``send`` returns only after every receiver acknowledged the summary; a receiver's version moves
-  only when it received the whole sync (weight_sync_base).
+  only when it received the whole sync (weights.base).
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ Invariants:
   plan against its parameters, before loading anything. An engine whose weights live in other
   processes (vLLM's workers) gets the plan and the raw buffers through ``load_flat`` (bytes with
   dtype and shape in the plan: never tensors through its RPC); otherwise ``load_weights`` gets views.
-- Failure anywhere resets the receiver's in-flight sync; its version stays (weight_sync_base).
+- Failure anywhere resets the receiver's in-flight sync; its version stays (weights.base).
 """
 from __future__ import annotations
 

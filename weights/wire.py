@@ -15,8 +15,8 @@ Invariants:
   receiver's parameters; every error is one ``WeightSyncError`` line naming the version, the bucket,
   the tensor and both sides.
 - Every message carries ``schema``; a message of another schema is refused, never guessed at.
-- Pure: no Ray, no CUDA, no torch.distributed here (the transports live in weight_sync_store,
-  weight_sync_ipc and weight_sync_broadcast; weight_sync_base holds the counting both ends share).
+- Pure: no Ray, no CUDA, no torch.distributed here (the transports live in weights.store,
+  weights.ipc and weights.broadcast; weights.base holds the counting both ends share).
 """
 from __future__ import annotations
 
