@@ -170,3 +170,45 @@ def test_fan_out_names_the_ranks_of_each_step_and_a_missing_step_is_one_line():
             with pytest.raises(WeightSyncError, match=f"no {where} step 'fly'") as e:
                 run(t)
             assert "\n" not in str(e.value)
+
+
+def test_fake_vllm_engine_gets_the_native_receiver_whose_client_inits_vllms_transfer_once(monkeypatch):
+    """The receiver half the generator's end builds for a vLLM engine (`engine.llm` stands in for vLLM's
+    AsyncLLM, a DeferredEngine's built engine too): init once, then start / update per chunk / finish."""
+    from weights.vllm_native import VllmTransferClient
+
+    monkeypatch.setattr(VllmTransferClient, "_request", staticmethod(lambda name, **fields: (name, fields)))
+
+    class FakeAsyncLLM:
+        def __init__(self):
+            self.calls, self.loaded = [], {}
+
+        async def init_weight_transfer_engine(self, request):
+            self.calls.append(request[0])
+
+        async def start_weight_update(self):
+            self.calls.append("start")
+
+        async def update_weights(self, request):
+            self.calls.append(request[0])
+            info = request[1]["update_info"]
+            for name, handle in zip(info["names"], info["ipc_handles"]):
+                self.loaded[name] = handle["GPU-0"].clone()
+
+        async def finish_weight_update(self):
+            self.calls.append("finish")
+
+    llm = FakeAsyncLLM()
+    deferred = type("Deferred", (), {"engine": type("VLLMEngine", (), {"llm": llm})()})()
+    transport = get_transport("cuda_ipc", "vllm", engine="vllm")
+    receiver = transport.make_receiver(None, deferred)
+    params = {f"w{i}": torch.randn(3) for i in range(4)}
+    for version in (1, 2):
+        sender = VllmIpcSender(_export(params), 1.0, share=lambda t: t, uuid="GPU-0")
+        sender.start(version)
+        assert asyncio.run(drive_bucketed_sync(sender.next_bucket, [receiver.receive])) == version
+    assert llm.calls == ["WeightTransferInitRequest"] + ["start", "WeightTransferUpdateRequest",
+                                                         "WeightTransferUpdateRequest", "finish"] * 2
+    assert all(torch.equal(llm.loaded[n], t) for n, t in params.items())
+    with pytest.raises(WeightSyncError, match="needs the vLLM engine"):
+        transport.make_receiver(None, object())
