@@ -2,6 +2,7 @@
 
     python -m launch.serve --model runs/<run>/hf/step_<N> --bird-dir DIR [--split dev] [--replicas N]
                            [--host 127.0.0.1] [--port 8000] [--engine transformers|vllm] [--max-batch-size 8]
+    ARL_API_KEY=<secret> python -m launch.serve ... --host 0.0.0.0     # beyond loopback: a key is required
 
 Routes: `POST /v1/sql` {"question", "db_id", "evidence"?, "execute"?, "max_turns"?} -> the SQL (and with execute the
 rows, row-capped, or a verdict-style error) and timings; `POST /v1/execute` {"db_id", "sql"} runs SQL
@@ -16,7 +17,12 @@ Invariants:
   (actors/engines: transformers on CPU, vLLM on GPU). Requests that arrive together are collected by
   `@serve.batch` and submitted to the engine at once, so they share its prefill and decode steps.
 - SQL runs only in the sandbox (tasks/sandbox.py: read-only, time-, row- and memory-limited, in
-  worker processes); a request can name a database only by db_id, never by path.
+  worker processes); a request can name a database only by db_id, never by path. The pool grows
+  (--sql-workers up to --sql-max-workers) while every worker is busy, so runaway queries do not make
+  the next query wait; each result reports `queue_wait_s` (waiting for a worker) apart from `execute_s`.
+- Who gets in: --host other than loopback is refused (one line, exit 2, before anything else is checked)
+  unless an API key is set (ARL_API_KEY or --api-key); with a key, every route but /healthz answers 401
+  {"error": ...} unless the request carries `Authorization: Bearer <key>` (launch/serve_http.py).
 - Bad input is a 4xx with {"error": "<one line naming the field>"}: 400 bad JSON, 413 a body over the
   cap, 422 a missing or ill-typed field or an over-long question/prompt, 404 an unknown db_id or route,
   405 a wrong method. An
@@ -28,14 +34,12 @@ Invariants:
   (launch/serve_life.py).
 """
 
-import argparse
 import asyncio
 import itertools
 import os
 import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -48,6 +52,7 @@ from launch.serve_http import (  # noqa: F401  (re-exported: tests and callers i
     RequestError,
     ServeOptions,
     _error,
+    auth_refusal,
     field_of,
     find_databases,
     json_value,
@@ -76,6 +81,20 @@ async def _unexpected(request: Request, e: Exception) -> JSONResponse:
     return _error(500, f"internal error: {type(e).__name__}: {e}")
 
 
+@app.middleware("http")
+async def _authorize(request: Request, call_next):
+    """Every route but /healthz needs the key when the service has one (401, one line). The page's
+    401 offers HTTP Basic, so a browser asks for the key (as the password) and sends it on."""
+    if request.url.path != "/healthz":
+        digest = serve.get_replica_context().servable_object.opts.api_key_sha256
+        why = auth_refusal(digest, request.headers.get("authorization"))
+        if why:
+            response = _error(401, why)
+            response.headers["WWW-Authenticate"] = 'Basic realm="arl-sql"' if request.url.path == "/" else "Bearer"
+            return response
+    return await call_next(request)
+
+
 MAX_TURNS = 8  # /v1/sql's max_turns at most
 
 
@@ -87,8 +106,11 @@ class SqlService:
         from tasks.bird import read_schema, schema_text
         from tasks.sandbox import SqlPool
 
+        from launch.serve_life import replica_grpc_on_loopback
+
         self.opts = ServeOptions(**opts)
         self.log = setup_actor_logging("serve")
+        replica_grpc_on_loopback()
         self.dbs = find_databases(self.opts.bird_dir, self.opts.split)
         self.engine, self.tokenizer, self.settings = load_engine(
             self.opts.model, self.opts.engine, self.opts.device, max_batch_prompts=max(1, self.opts.max_batch_size),
@@ -96,14 +118,21 @@ class SqlService:
         sv, style = int(self.settings["sample_values"]), self.settings["prompt_style"]
         self.schemas = {db: read_schema(path, sv) for db, path in self.dbs.items()}
         self.schema_texts = {db: schema_text(s, style, sv) for db, s in self.schemas.items()}
-        self.pool = SqlPool(workers=self.opts.sql_workers, timeout_s=self.opts.sql_timeout_s,
-                            max_rows=self.opts.sql_max_rows, memory_mb=1024)
+        self.pool = SqlPool(workers=self.opts.sql_workers, max_workers=max(self.opts.sql_workers, self.opts.sql_max_workers),
+                            timeout_s=self.opts.sql_timeout_s, max_rows=self.opts.sql_max_rows, memory_mb=1024)
+        self.pool.wait_ready()  # bounded: the first queries are not slowed by the workers' start-up
         self.generate_batch.set_max_batch_size(max(1, self.opts.max_batch_size))
         self.generate_batch.set_batch_wait_timeout_s(self.opts.batch_wait_s)
         self.ids = itertools.count()
         self.counters = {"requests": 0, "batches": 0, "batched_requests": 0, "max_batch": 0}
         self.log.info("serve.ready", model=self.opts.model, databases=len(self.dbs), style=style,
                       max_batch_size=self.opts.max_batch_size, pid=os.getpid())
+
+    def __del__(self):
+        """Ray Serve calls it when the replica stops: the sandbox workers and their temp dir go with it."""
+        for owner in (getattr(self, "pool", None), getattr(self, "_executor", None)):
+            if owner is not None:
+                owner.close()
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -148,7 +177,8 @@ class SqlService:
 
         t = time.perf_counter()
         r = await asyncio.wait_for(self.pool.run(self.dbs[db_id], sql), self.opts.sql_timeout_s + 30)
-        out: dict[str, Any] = {"execute_s": round(time.perf_counter() - t, 4)}
+        wall = time.perf_counter() - t  # queue_wait_s: waiting for a sandbox worker; execute_s: the rest
+        out: dict[str, Any] = {"queue_wait_s": r.queue_wait_s, "execute_s": round(max(0.0, wall - r.queue_wait_s), 4)}
         if r.status == "ok":
             out.update(verdict="ok", error="", row_count=len(r.rows), truncated=len(r.rows) > self.opts.return_rows,
                        columns=list(r.columns),
@@ -202,7 +232,7 @@ class SqlService:
                 out.update(verdict=NO_SQL, error="the completion holds no SQL", rows=[], row_count=0, truncated=False)
             else:
                 result = await self._execute(db_id, sql)
-                timings["execute_s"] = result.pop("execute_s")
+                timings.update(queue_wait_s=result.pop("queue_wait_s"), execute_s=result.pop("execute_s"))
                 out.update(result)
         timings["total_s"] = round(time.perf_counter() - start, 4)
         out["timings"] = timings
@@ -256,7 +286,9 @@ class SqlService:
 
     @app.get("/v1/stats")
     async def stats(self) -> JSONResponse:
-        return JSONResponse({**self.counters, **self.engine.stats(), "sql_queries": self.pool.queries})
+        return JSONResponse({**self.counters, **self.engine.stats(), "sql_queries": self.pool.queries,
+                             "sql_workers": self.pool.workers, "sql_peak_workers": self.pool.peak_workers,
+                             "sql_queue_wait_s": round(self.pool.queue_wait_s, 4)})
 
     @app.get("/healthz")
     async def healthz(self) -> JSONResponse:
@@ -302,83 +334,10 @@ def start(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, replica
 
 
 def main(argv: list[str] | None = None) -> int:
-    from observe.logs import quiet_cpu_host
+    """The CLI (launch/serve_life.py: checks, our own Ray, the service, a clean stop)."""
+    from launch.serve_life import main as cli
 
-    quiet_cpu_host()
-    p = argparse.ArgumentParser(prog="python -m launch.serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="a Hugging Face export, e.g. runs/<run>/hf/step_<N>")
-    p.add_argument("--bird-dir", required=True, help="holds <split>_databases/<db_id>/<db_id>.sqlite")
-    p.add_argument("--split", default="dev")
-    p.add_argument("--replicas", type=int, default=1)
-    p.add_argument("--host", default="127.0.0.1", help="the HTTP proxy's address (loopback by default)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--engine", choices=["transformers", "vllm"], default="")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-batch-size", type=int, default=8)
-    p.add_argument("--batch-wait-s", type=float, default=0.02)
-    p.add_argument("--max-tokens", type=int, default=0, help="new tokens per answer (0: the export's)")
-    p.add_argument("--cpus-per-replica", type=float, default=1.0)
-    p.add_argument("--gpus-per-replica", type=float, default=None, help="default 1 with vllm, 0 otherwise")
-    p.add_argument("--ray-address", default="", help="join this cluster (default: start our own, local)")
-    p.add_argument("--start-timeout", type=float, default=600.0)
-    args = p.parse_args(argv)
-    from launch.export import ExportError, default_engine, read_settings
-    from launch.serve_life import check_port, interrupt_on_sigterm, stop
-
-    try:
-        if args.replicas < 1 or args.max_batch_size < 1 or not 0 < args.port < 65536:
-            raise ValueError("--replicas and --max-batch-size must be >= 1 and --port in 1..65535")
-        read_settings(args.model)
-        dbs = find_databases(args.bird_dir, args.split)
-        check_port(args.host, args.port)
-    except (ExportError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    import tempfile
-
-    engine = args.engine or default_engine()  # decided here: a replica without a GPU would not see one
-    interrupt_on_sigterm()
-    temp_dir = None
-    try:
-        import ray
-
-        from launch.run import ray_on_loopback
-
-        if args.ray_address:
-            ray.init(address=args.ray_address)
-        else:
-            temp_dir = tempfile.mkdtemp(prefix="arl-serve-ray-")
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            with ray_on_loopback(True):  # Ray's own sockets on 127.0.0.1, as the training launcher's
-                ray.init(address="local", include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
-        interrupt_on_sigterm()  # again: ray.init installs its own handler (sys.exit(15), skipping the message)
-        opts = ServeOptions(model=str(Path(args.model).resolve()), bird_dir=str(Path(args.bird_dir).resolve()),
-                            split=args.split, engine=engine, device=args.device, max_batch_size=args.max_batch_size,
-                            batch_wait_s=args.batch_wait_s, max_tokens=args.max_tokens)
-        actor_options = {"num_cpus": args.cpus_per_replica}
-        gpus = args.gpus_per_replica if args.gpus_per_replica is not None else float(engine == "vllm")
-        if gpus:
-            actor_options["num_gpus"] = gpus
-        url = start(opts, args.host, args.port, args.replicas, actor_options, args.start_timeout)
-        db = next(iter(dbs))
-        print(f"ready: serving {args.model} on {url} ({len(dbs)} databases, {args.replicas} replica(s)); "
-              f"Ctrl-C stops\n"
-              f"  page:   {url}/\n"
-              f"  ask:    curl -s {url}/v1/sql -d '{{\"db_id\": \"{db}\", \"question\": \"How many rows?\", "
-              f"\"execute\": true}}'\n"
-              f"  openai: base_url {url}/v1, model arl-sql/{db}", flush=True)
-        while True:
-            time.sleep(3600)
-    except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM (ours, or ray.init's exit(15) while it starts)
-        return 0
-    except Exception as e:  # noqa: BLE001  (a deploy that failed or timed out: one line, then the clean stop)
-        from queues.errors import one_line
-
-        print(f"error: the service did not start: {one_line(e)}", file=sys.stderr)
-        return 1
-    finally:
-        stop(temp_dir)
-        print("stopped", file=sys.stderr, flush=True)
+    return cli(argv)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,20 @@
-"""launch.serve's request plumbing: options, the one-line request error, checked fields, bounded bodies.
+"""launch.serve's request plumbing: options, the one-line request error, checked fields, bounded bodies,
+who gets in.
 
 Invariants: a bad request is a RequestError(status, one-line reason), answered as {"error": reason};
 a body over MAX_BODY_BYTES is refused before it is read whole; databases are named only by db_id.
+An address other than loopback is served only with an API key (`host_refusal`); with a key, a request
+passes only with `Authorization: Bearer <key>` (or HTTP Basic with the key as password, so a browser
+can open the page). The replicas hold the key's SHA-256 only, never the key, and compare in constant
+time.
 """
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
+import hmac
+import ipaddress
 import json
 import math
 from dataclasses import dataclass, field
@@ -32,9 +42,11 @@ class ServeOptions:
     request_timeout_s: float = 120.0
     sql_timeout_s: float = 10.0
     sql_workers: int = 2
+    sql_max_workers: int = 8  # the pool grows to this while every worker is busy (runaway queries)
     sql_max_rows: int = 10_000  # more is the verdict too_many_rows
     return_rows: int = 200  # rows sent back (row_count says how many there were)
     engine_kwargs: dict = field(default_factory=dict)
+    api_key_sha256: str = ""  # "" -> no key: every route is open (loopback only, see host_refusal)
 
 
 class RequestError(Exception):
@@ -106,3 +118,46 @@ def json_value(v: Any) -> Any:
 
 def _error(status: int, reason: str) -> JSONResponse:
     return JSONResponse({"error": reason.replace("\n", " ")[:500]}, status_code=status)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def host_refusal(host: str, api_key: str | None) -> str:
+    """"" when `host` may be served with this key; else the one-line reason (the CLI's exit 2)."""
+    if api_key is not None and not api_key.strip():
+        return "the API key is empty: set --api-key or ARL_API_KEY to a secret, or unset it"
+    if not is_loopback(host) and not api_key:
+        return (f"--host {host} is not loopback: anyone who reaches it could use the service; set an API key "
+                f"(ARL_API_KEY, or --api-key) so that only requests with 'Authorization: Bearer <key>' get in")
+    return ""
+
+
+def key_digest(api_key: str | None) -> str:
+    return hashlib.sha256(api_key.encode()).hexdigest() if api_key else ""
+
+
+def auth_refusal(digest: str, header: str | None) -> str:
+    """"" when a request with this Authorization header may pass a service whose key has `digest`
+    ("" digest: no key, everyone passes); else the one-line reason for its 401."""
+    if not digest:
+        return ""
+    if not header:
+        return "missing API key: send the header 'Authorization: Bearer <key>'"
+    scheme, _, value = header.strip().partition(" ")
+    if scheme.lower() == "basic":  # a browser's login prompt: any user name, the key as password
+        try:
+            value = base64.b64decode(value.strip(), validate=True).decode("utf-8").partition(":")[2]
+        except (binascii.Error, UnicodeDecodeError):
+            return "malformed Basic credentials"
+    elif scheme.lower() != "bearer":
+        return f"unsupported authorization scheme {scheme[:20]!r}: send 'Authorization: Bearer <key>'"
+    if not hmac.compare_digest(hashlib.sha256(value.strip().encode()).hexdigest(), digest):
+        return "wrong API key"
+    return ""

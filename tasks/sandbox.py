@@ -10,6 +10,15 @@ Invariants:
   SQLite heap, value sizes and the worker's address space are capped.
 - One bad query never takes the pool down: a dead worker's job gets an error result and the
   worker is replaced; every other job keeps running.
+- A query's deadline starts when a worker that is up takes it: jobs go only to workers that have said
+  ready (one that does not within START_S is replaced), so an interpreter's start-up on a loaded host
+  is queue wait, never a query's timeout.
+- Runaway queries cannot starve the others while the pool may grow: with `max_workers` above
+  `workers`, the pool starts a worker for each query no free worker can take, and one spare ahead
+  whenever every worker is busy (up to `max_workers`), so a query arriving behind runaways starts at
+  once; extra workers idle for `idle_s` are retired. At `max_workers` busy, a query waits at most one
+  timeout plus the grace. Every result says how long it waited for a worker (`queue_wait_s`) apart
+  from its execution (`seconds`).
 - Results are lists of tuples of hashable values (int, float, str, bytes, None), so BIRD's
   set comparison works on them directly.
 """
@@ -18,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -48,6 +58,7 @@ class ExecResult:
     error: str = ""
     seconds: float = 0.0
     columns: list = field(default_factory=list)  # the result's column names (status == ok)
+    queue_wait_s: float = 0.0  # from submit to a worker taking it (SqlPool), apart from `seconds`
 
 
 # Authorizer action codes a read-only SELECT needs; everything else is refused.
@@ -55,6 +66,8 @@ _ALLOWED_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_F
 _REFUSED_FUNCTIONS = {"load_extension", "readfile", "writefile", "edit", "fts3_tokenizer"}
 _MAX_VALUE_BYTES = 10_000_000  # one string/blob; BIRD values are far smaller
 _PROGRESS_OPS = 2_000  # VM instructions between deadline checks (~tens of microseconds)
+_READY = "ready"  # a worker's first message: it is up and its limits are set
+START_S = 60.0  # a worker that has not said ready by then is replaced
 
 
 def _authorizer(action, arg1, arg2, dbname, source):
@@ -137,6 +150,10 @@ def _worker_main(conn, memory_mb: int, temp_store_mb: int) -> None:
     except sqlite3.Error:
         pass
     connections: collections.OrderedDict[str, sqlite3.Connection] = collections.OrderedDict()
+    try:
+        conn.send(_READY)
+    except OSError:
+        return
     while True:
         try:
             job = conn.recv()
@@ -166,6 +183,8 @@ class _Job:
     db_path: str
     sql: str
     future: concurrent.futures.Future
+    submitted: float = field(default_factory=time.monotonic)
+    started: float = 0.0
 
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -194,6 +213,9 @@ class _Worker:
         self.conn = multiprocessing.connection.Connection(parent.detach())
         self.job: _Job | None = None
         self.deadline = 0.0
+        self.idle_since = time.monotonic()
+        self.ready = False  # until its first message: jobs go to ready workers only
+        self.start_deadline = time.monotonic() + START_S
 
     @property
     def pid(self) -> int:
@@ -218,13 +240,19 @@ class SqlPool:
     `run_many` runs a list of (db_path, sql) in parallel. One dispatcher thread owns the workers:
     it hands jobs to idle workers, collects answers, and kills a worker whose answer is more than
     `grace_s` past the query's timeout, answering its job "timeout" and starting a replacement.
+    `max_workers` (default `workers`: a fixed pool) lets it grow while every worker is busy; extra
+    workers idle for `idle_s` are retired, down to `workers`.
     """
 
     def __init__(self, workers: int = 8, timeout_s: float = 30.0, max_rows: int = 100_000,
-                 memory_mb: int = 2048, temp_store_mb: int = 256, grace_s: float = 0.5):
+                 memory_mb: int = 2048, temp_store_mb: int = 256, grace_s: float = 0.5,
+                 max_workers: int | None = None, idle_s: float = 30.0):
         if workers < 1:
             raise ValueError(f"SqlPool workers must be >= 1, got {workers}")
+        if max_workers is not None and max_workers < workers:
+            raise ValueError(f"SqlPool max_workers must be >= workers ({workers}), got {max_workers}")
         self.timeout_s, self.max_rows, self.grace_s = timeout_s, max_rows, grace_s
+        self.min_workers, self.max_workers, self.idle_s = workers, max_workers or workers, idle_s
         self.memory_mb, self.temp_store_mb = memory_mb, temp_store_mb
         self.tmp_dir = tempfile.mkdtemp(prefix="arl-sqlpool-")
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -234,6 +262,9 @@ class SqlPool:
         self._closed = False
         self.replaced = 0  # workers killed or dead and replaced
         self.queries = 0  # queries answered
+        self.grown = 0  # extra workers started beyond `workers` (retired ones included)
+        self.peak_workers = workers
+        self.queue_wait_s = 0.0  # summed over answered queries
         self.killed_pids: list[int] = []
         self._thread = threading.Thread(target=self._dispatch, name="sqlpool-dispatch", daemon=True)
         self._thread.start()
@@ -257,6 +288,15 @@ class SqlPool:
     def run_many(self, jobs: list[tuple[str, str]]) -> list[ExecResult]:
         futures = [self.submit(db, sql) for db, sql in jobs]
         return [f.result() for f in futures]
+
+    def wait_ready(self, timeout_s: float = START_S) -> bool:
+        """Waits (bounded) until every worker has started; True when they all have."""
+        deadline = time.monotonic() + timeout_s
+        while not all(w.ready for w in list(self._workers)):
+            if time.monotonic() > deadline or self._closed:
+                return False
+            time.sleep(0.02)
+        return True
 
     def worker_pids(self) -> list[int]:
         return [w.pid for w in self._workers]
@@ -311,22 +351,24 @@ class SqlPool:
                         w.job = None
                 return
             for i, w in enumerate(self._workers):
-                if w.job is None and pending and w.process.poll() is not None:
+                if w.ready and w.job is None and pending and w.process.poll() is not None:
                     self._replace(i)  # died while idle: never hand it a job
                     w = self._workers[i]
-                if w.job is None and pending:
-                    job = pending.popleft()
-                    if not job.future.set_running_or_notify_cancel():
-                        continue
-                    w.job, w.deadline = job, time.monotonic() + self.timeout_s + self.grace_s
-                    try:
-                        w.conn.send((job.db_path, job.sql, self.timeout_s, self.max_rows))
-                    except OSError:
-                        w.deadline = 0.0  # a dead worker: the deadline sweep below replaces it
+                if w.ready and w.job is None and pending:
+                    self._assign(w, pending)
+            free = sum(w.job is None for w in self._workers)  # idle or still starting
+            while len(pending) > free and len(self._workers) < self.max_workers:  # every worker busy: grow
+                self._grow()
+                free += 1
+            if free == 0 and len(self._workers) < self.max_workers:
+                self._grow()  # one spare started ahead: the next query need not wait for an interpreter
             busy = [w for w in self._workers if w.job is not None]
+            starting = [w for w in self._workers if not w.ready]
             now = time.monotonic()
-            wait_s = max(0.0, min((w.deadline for w in busy), default=now + 1.0) - now)
-            ready = multiprocessing.connection.wait([self._wake_r] + [w.conn for w in busy], timeout=wait_s)
+            wait_s = max(0.0, min([w.deadline for w in busy] + [w.start_deadline for w in starting], default=now + 1.0) - now)
+            if len(self._workers) > self.min_workers:  # wake to retire an extra idle worker
+                wait_s = min(wait_s, self.idle_s)
+            ready = multiprocessing.connection.wait([self._wake_r] + [w.conn for w in busy + starting], timeout=wait_s)
             if self._wake_r in ready:
                 try:
                     while self._wake_r.recv(4096):
@@ -334,9 +376,11 @@ class SqlPool:
                 except (BlockingIOError, OSError):
                     pass
             for i, w in enumerate(self._workers):
-                if w.job is None:
+                if not w.ready:
+                    self._check_started(i, w, w.conn in ready)
+                elif w.job is None:
                     continue
-                if w.conn in ready:
+                elif w.conn in ready:
                     try:
                         status, rows, error, seconds, columns = w.conn.recv()
                         self._finish(w, ExecResult(status, rows, error, seconds, columns))
@@ -347,12 +391,58 @@ class SqlPool:
                     self._replace(i)
                     self._finish(w, ExecResult(TIMEOUT, error=f"exceeded {self.timeout_s:g} s (worker killed)",
                                                seconds=self.timeout_s + self.grace_s))
+            self._retire_idle()
+
+    def _check_started(self, i: int, w: _Worker, readable: bool) -> None:
+        """A starting worker becomes ready on its first message; one that died or did not start within
+        START_S is replaced. Its start-up never counts against a query's deadline."""
+        if readable:
+            try:
+                if w.conn.recv() == _READY:
+                    w.ready, w.idle_since = True, time.monotonic()
+                    return
+            except (EOFError, OSError):
+                pass
+            self._replace(i)
+        elif time.monotonic() > w.start_deadline:
+            self._replace(i)
+
+    def _assign(self, w: _Worker, pending: collections.deque) -> None:
+        job = pending.popleft()
+        if not job.future.set_running_or_notify_cancel():
+            return
+        job.started = time.monotonic()
+        w.job, w.deadline = job, job.started + self.timeout_s + self.grace_s
+        try:
+            w.conn.send((job.db_path, job.sql, self.timeout_s, self.max_rows))
+        except OSError:
+            w.deadline = 0.0  # a dead worker: the deadline sweep replaces it
+
+    def _grow(self) -> None:
+        self._workers.append(self._spawn())
+        self.grown += 1
+        self.peak_workers = max(self.peak_workers, len(self._workers))
+
+    def _retire_idle(self) -> None:
+        """Extra workers (beyond `workers`) idle for `idle_s` are stopped, one idle worker kept while
+        all the others are busy."""
+        now = time.monotonic()
+        for w in list(self._workers):
+            if len(self._workers) <= self.min_workers:
+                return
+            idle = sum(x.ready and x.job is None for x in self._workers)
+            if w.ready and w.job is None and now - w.idle_since > self.idle_s and idle > 1:
+                self._workers.remove(w)
+                w.kill()
 
     def _finish(self, w: _Worker, result: ExecResult) -> None:
         job, w.job = w.job, None
+        w.idle_since = time.monotonic()
         self.queries += 1
+        wait = max(0.0, job.started - job.submitted)
+        self.queue_wait_s += wait
         if not job.future.done():
-            job.future.set_result(result)
+            job.future.set_result(dataclasses.replace(result, queue_wait_s=round(wait, 4)))
 
     def _replace(self, i: int) -> None:
         old = self._workers[i]

@@ -37,6 +37,7 @@ def db(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pool():
     p = SqlPool(workers=2, timeout_s=TIMEOUT_S, max_rows=1000, memory_mb=1024, temp_store_mb=64, grace_s=0.3)
+    assert p.wait_ready(60)  # the timings below are the queries', not the interpreters' start-up
     yield p
     pids = p.worker_pids() + p.killed_pids
     p.close()
@@ -124,6 +125,7 @@ def test_reads_return_hashable_rows_with_nulls(pool, db):
 
 def test_hung_worker_is_killed_and_replaced(pool, db):
     """A worker that stops answering (as if stuck in C code) is killed at the wall-clock deadline."""
+    assert pool.wait_ready(60)  # hung while up (a worker stopped before it is up never gets a query)
     victims = pool.worker_pids()
     for pid in victims:
         os.kill(pid, signal.SIGSTOP)
@@ -143,6 +145,59 @@ def test_dead_idle_worker_is_replaced_before_it_gets_a_job(pool, db):
     results = pool.run_many([(str(db), f"SELECT {i}") for i in range(6)])
     assert [r.rows for r in results] == [[(i,)] for i in range(6)]
     assert victim not in pool.worker_pids()
+
+
+ENDLESS = HOSTILE["endless_recursive_cte"][0]
+
+
+def _gone(pids) -> bool:
+    out = True
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            out = False
+        except ProcessLookupError:
+            pass
+    return out
+
+
+def test_runaway_queries_do_not_starve_a_trivial_one_when_the_pool_may_grow(db):
+    """Three endless queries on a pool of 2 that may grow to 5: a trivial SELECT sent behind them is
+    answered while all three still run, on a worker the pool started ahead; its queue wait is reported
+    apart from its execution. Extra workers retire when idle, every one is gone after close."""
+    with SqlPool(workers=2, max_workers=5, timeout_s=60, grace_s=1, max_rows=1000, memory_mb=512,
+                 temp_store_mb=32, idle_s=60) as p:
+        runaway = [p.submit(str(db), ENDLESS) for _ in range(3)]
+        trivial = p.submit(str(db), "SELECT count(*) FROM customers").result(timeout=60)
+        assert trivial.status == OK and trivial.rows == [(2000,)]
+        assert not any(f.done() for f in runaway)  # answered while the three still run
+        assert p.workers == 5 and p.grown == 3  # one for the third runaway, one spare, one spare again
+        assert trivial.queue_wait_s >= 0 and trivial.seconds >= 0
+        pids = p.worker_pids()
+    assert [f.result(timeout=10).error for f in runaway] == ["SqlPool closed"] * 3
+    assert _gone(pids)
+    with SqlPool(workers=1, max_workers=3, timeout_s=TIMEOUT_S, grace_s=0.3, max_rows=1000, memory_mb=512,
+                 temp_store_mb=32, idle_s=0.2) as p:
+        assert [r.status for r in p.run_many([(str(db), ENDLESS)] * 3)] == [TIMEOUT] * 3
+        assert p.peak_workers == 3
+        deadline = time.monotonic() + 30
+        while p.workers > 1 and time.monotonic() < deadline:  # idle extras retire, down to `workers`
+            time.sleep(0.1)
+        assert p.workers == 1
+        assert p.run_many([(str(db), "SELECT 7")])[0].rows == [(7,)]  # (and a spare starts again beside it)
+
+
+def test_a_fixed_pool_reports_the_wait_behind_runaways_as_queue_wait(db):
+    """The same three runaways on a fixed pool of 2 (the default, max_workers == workers): the trivial
+    SELECT starts only when one of them has been interrupted at its deadline, and that wait is its
+    queue_wait_s, not its execution."""
+    with SqlPool(workers=2, timeout_s=TIMEOUT_S, grace_s=0.3, max_rows=1000, memory_mb=512, temp_store_mb=32) as p:
+        runaway = [p.submit(str(db), ENDLESS) for _ in range(3)]
+        trivial = p.submit(str(db), "SELECT count(*) FROM customers").result(timeout=60)
+        assert trivial.status == OK and p.workers == 2 and p.grown == 0
+        assert trivial.queue_wait_s >= TIMEOUT_S  # queued behind a runaway until its deadline
+        assert any(f.done() for f in runaway)
+        assert [f.result(timeout=30).status for f in runaway] == [TIMEOUT] * 3
 
 
 def test_memory_limit_stops_a_memory_hungry_query(tmp_path, db):

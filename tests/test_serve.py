@@ -1,15 +1,19 @@
 """launch.serve for real: a local Ray, Ray Serve's HTTP proxy, the tiny export, SQLite, an HTTP client.
 
-One Serve application serves every test here (module fixture): concurrent requests are batched
-(the test counts engine batches < requests), SQL runs read-only, each bad input is a 4xx with a
-one-line reason under "error" (unknown routes and methods too), the proxy listens on loopback only, the
-page loads, and the `openai` client gets the SQL and its rows from /v1/chat/completions.
+One Serve application serves every test here (module fixture), with an API key: every route but
+/healthz needs it (401 with one line otherwise), concurrent requests are batched (the test counts
+engine batches < requests), SQL runs read-only, runaway queries do not make a trivial one wait, each
+bad input is a 4xx with a one-line reason under "error" (unknown routes and methods too), the proxy
+listens on loopback only, the page loads, and the `openai` client gets the SQL and its rows from
+/v1/chat/completions.
 """
+import base64
 import concurrent.futures
 import hashlib
 import json
 import shutil
 import socket
+import time
 
 import pytest
 
@@ -17,6 +21,8 @@ from tests.conftest import ray_cluster
 from tests.tiny_export import build
 
 httpx = pytest.importorskip("httpx")
+
+KEY = "k3y-for-the-serve-tests"
 
 
 def free_port() -> int:
@@ -31,27 +37,45 @@ def service(tmp_path_factory):
     from ray import serve
 
     from launch.serve import ServeOptions, start
+    from launch.serve_http import key_digest
 
     model, bird = build(tmp_path_factory.mktemp("serve"))
     with ray_cluster("ray-serve-test-"):
         try:
             opts = ServeOptions(model=str(model), bird_dir=str(bird), engine="transformers", device="cpu",
-                                max_batch_size=8, batch_wait_s=0.2, sql_timeout_s=5.0, sql_workers=1)
+                                max_batch_size=8, batch_wait_s=0.2, sql_timeout_s=8.0, sql_workers=1,
+                                sql_max_workers=6, api_key_sha256=key_digest(KEY))
             url = start(opts, "127.0.0.1", free_port(), replicas=1, actor_options={"num_cpus": 1}, timeout_s=300)
-            with httpx.Client(base_url=url, timeout=60) as client:
+            with httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as client:
                 yield client, model, bird
         finally:
             serve.shutdown()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "{tmp}"], "has no config.json"),
-    (["--model", "{model}", "--split", "nope"], "databases directory not found"),
-    (["--model", "{model}", "--replicas", "0"], "--replicas and --max-batch-size must be >= 1"),
+@pytest.mark.parametrize("args, key, message", [
+    (["--model", "{tmp}"], None, "has no config.json"),
+    (["--model", "{model}", "--split", "nope"], None, "databases directory not found"),
+    (["--model", "{model}", "--replicas", "0"], None, "--replicas and --max-batch-size must be >= 1"),
+    (["--model", "{model}", "--sql-workers", "9"], None, "--sql-workers must be >= 1 and at most --sql-max-workers"),
+    # beyond loopback without a key: refused first, before the (missing) export is even looked at
+    (["--model", "/no/such/export", "--host", "0.0.0.0"], None, "--host 0.0.0.0 is not loopback"),
+    (["--model", "/no/such/export", "--host", "192.0.2.7"], None, "set an API key (ARL_API_KEY, or --api-key)"),
+    (["--model", "/no/such/export", "--host", "example.org"], None, "--host example.org is not loopback"),
+    (["--model", "/no/such/export", "--host", "0.0.0.0", "--api-key", " "], None, "the API key is empty"),
+    (["--model", "/no/such/export", "--host", "0.0.0.0"], "", "the API key is empty"),
+    # with a key (flag or ARL_API_KEY), or on loopback, the next check speaks
+    (["--model", "/no/such/export", "--host", "0.0.0.0", "--api-key", "s3cret"], None, "/no/such/export"),
+    (["--model", "/no/such/export", "--host", "0.0.0.0"], "s3cret", "/no/such/export"),
+    (["--model", "/no/such/export", "--host", "::1"], None, "/no/such/export"),
+    (["--model", "/no/such/export", "--host", "localhost"], None, "/no/such/export"),
 ])
-def test_cli_bad_input_exits_2_before_starting_ray(tmp_path, capsys, args, message):
+def test_cli_bad_input_exits_2_before_starting_ray(tmp_path, capsys, monkeypatch, args, key, message):
     from launch.serve import main
 
+    if key is None:
+        monkeypatch.delenv("ARL_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("ARL_API_KEY", key)
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("{}")
     fill = {"{tmp}": str(tmp_path), "{model}": str(tmp_path / "m")}
@@ -93,7 +117,8 @@ def test_concurrent_questions_are_batched_and_executed(service):
     assert after["engine_batches"] - before["engine_batches"] < served  # ... and the engine decoded them together
     assert max(b["batch_size"] for b in bodies) > 1
     ok = [b for b in bodies if b["verdict"] == "ok"]
-    assert ok and all(b["sql"] and b["rows"] and set(b["timings"]) == {"generate_s", "execute_s", "total_s"} for b in ok)
+    assert ok and all(b["sql"] and b["rows"] and set(b["timings"]) == {"generate_s", "queue_wait_s", "execute_s",
+                                                                      "total_s"} for b in ok)
 
 
 def test_max_turns_returns_every_turn_and_the_final_sql(service):
@@ -159,7 +184,7 @@ def test_openai_client_lists_models_and_gets_the_sql_with_its_rows(service):
     from tasks.bird import load_split
 
     client, _, bird = service
-    oa = openai.OpenAI(base_url=str(client.base_url).rstrip("/") + "/v1", api_key="unused", max_retries=0, timeout=120)
+    oa = openai.OpenAI(base_url=str(client.base_url).rstrip("/") + "/v1", api_key=KEY, max_retries=0, timeout=120)
     ids = {m.id for m in oa.models.list()}
     q = load_split(bird, "dev")[0]
     assert {"arl-sql", f"arl-sql/{q.db_id}"} <= ids
@@ -177,6 +202,10 @@ def test_openai_client_lists_models_and_gets_the_sql_with_its_rows(service):
     assert "stream is not supported" in str(e.value.body)  # the client hands back the body's "error"
     with pytest.raises(openai.NotFoundError):
         oa.chat.completions.create(model="gpt-4o", messages=messages)
+    stranger = openai.OpenAI(base_url=str(oa.base_url), api_key="not-the-key", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError) as e:
+        stranger.chat.completions.create(model=f"arl-sql/{q.db_id}", messages=messages)
+    assert e.value.status_code == 401 and "wrong API key" in str(e.value.body)
 
 
 @pytest.mark.parametrize("method, path, body, status, reason", [
@@ -283,6 +312,9 @@ def test_page_in_headless_chromium_answers_a_typed_question(service, tmp_path):
                             assert time.monotonic() < end, f"the page never showed {what}"
                             await asyncio.sleep(0.2)
 
+                    basic = base64.b64encode(f"arl:{KEY}".encode()).decode()  # what a browser sends after its prompt
+                    await cdp("Network.enable")
+                    await cdp("Network.setExtraHTTPHeaders", headers={"Authorization": f"Basic {basic}"})
                     await cdp("Page.navigate", url=str(client.base_url) + "/")
                     await until("document.querySelectorAll('#db option').length > 1", "the database list")
                     await js(f"document.getElementById('db').value = {q.db_id!r}; "
@@ -316,3 +348,64 @@ def test_page_in_headless_chromium_answers_a_typed_question(service, tmp_path):
     assert img.size[0] >= 800 and img.size[1] >= 600
     dark = sum(1 for v in img.getdata() if v < 100)  # text drawn on the white page
     assert dark > 500, f"the screenshot looks blank ({dark} dark pixels): {path}"
+
+
+@pytest.mark.parametrize("method, path", [
+    ("GET", "/"), ("GET", "/v1/databases"), ("GET", "/v1/stats"), ("GET", "/v1/models"), ("POST", "/v1/sql"),
+    ("POST", "/v1/execute"), ("POST", "/v1/chat/completions"), ("GET", "/v1/nowhere"), ("GET", "/v1/sql"),
+])
+def test_every_route_but_healthz_needs_the_key(service, method, path):
+    """Without the key, with a wrong one or another scheme: 401 with one line under "error", before the
+    route runs (the unknown route and the wrong method too). /healthz stays open for probes."""
+    client, _, _ = service
+    base = str(client.base_url)
+    body = {"db_id": "x", "question": "q", "sql": "SELECT 1"} if method == "POST" else None
+    for headers, reason in (({}, "missing API key"), ({"Authorization": "Bearer wrong"}, "wrong API key"),
+                            ({"Authorization": f"Token {KEY}"}, "unsupported authorization scheme"),
+                            ({"Authorization": "Basic !!"}, "malformed Basic credentials")):
+        r = httpx.request(method, base + path, json=body, headers=headers, timeout=60)
+        assert r.status_code == 401, (headers, r.text)
+        assert set(r.json()) == {"error"} and reason in r.json()["error"] and "\n" not in r.json()["error"]
+        assert r.headers["www-authenticate"] == ('Basic realm="arl-sql"' if path == "/" else "Bearer")
+    assert httpx.get(base + "/healthz", timeout=60).json()["status"] == "ok"
+    basic = "Basic " + base64.b64encode(f"anyone:{KEY}".encode()).decode()  # a browser after its login prompt
+    assert httpx.get(base + "/v1/databases", headers={"Authorization": basic}, timeout=60).status_code == 200
+
+
+def test_runaway_queries_do_not_make_a_trivial_select_wait(service):
+    """Three endless queries (each ends at the 8 s deadline) and then a trivial SELECT: the SELECT is
+    answered while all three still run (the replica's sandbox pool grew past its one worker), and its
+    body reports queue_wait_s apart from execute_s."""
+    client, _, _ = service
+    db = client.get("/v1/databases").json()["databases"][0]
+    table = db["tables"][0]["name"]
+    endless = "WITH RECURSIVE r(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM r) SELECT count(*) FROM r"
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        runaway = [pool.submit(client.post, "/v1/execute", json={"db_id": db["db_id"], "sql": endless})
+                   for _ in range(3)]
+        deadline = time.monotonic() + 60
+        while client.get("/v1/stats").json()["sql_workers"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)  # the three are running: the pool started a spare beside them
+        trivial = client.post("/v1/execute", json={"db_id": db["db_id"], "sql": f"SELECT COUNT(*) AS n FROM {table}"})
+        still_running = [not f.done() for f in runaway]
+        bodies = [f.result().json() for f in runaway]
+    assert trivial.status_code == 200 and trivial.json()["verdict"] == "ok", trivial.text
+    assert all(still_running), "the trivial SELECT waited for a runaway query to end"
+    assert {"queue_wait_s", "execute_s"} <= set(trivial.json()) and trivial.json()["columns"] == ["n"]
+    assert [b["verdict"] for b in bodies] == ["timeout"] * 3
+    assert client.get("/v1/stats").json()["sql_peak_workers"] >= 4
+
+
+def test_auth_rules_without_a_service():
+    """No key: every request passes (the service is on loopback then); with one, only the key does."""
+    from launch.serve_http import auth_refusal, host_refusal, is_loopback, key_digest
+
+    assert auth_refusal("", None) == "" and auth_refusal(key_digest(None), "Bearer anything") == ""
+    digest = key_digest("s3cret")
+    assert digest and "s3cret" not in digest
+    assert auth_refusal(digest, "Bearer s3cret") == "" and auth_refusal(digest, "bearer  s3cret ") == ""
+    assert auth_refusal(digest, "Basic " + base64.b64encode(b"me:s3cret").decode()) == ""
+    assert auth_refusal(digest, "Bearer s3cret2") == "wrong API key"
+    assert [is_loopback(h) for h in ("127.0.0.1", "127.3.2.1", "::1", "[::1]", "localhost")] == [True] * 5
+    assert [is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.1", "example.org", "")] == [False] * 5
+    assert host_refusal("127.0.0.1", None) == "" and host_refusal("0.0.0.0", "k") == ""

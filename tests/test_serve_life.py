@@ -1,5 +1,7 @@
 """launch.serve's life cycle for real (launch/serve_life.py): a taken port is one line and exit 2
-before Ray starts, and SIGTERM in the middle of start-up leaves no Ray process, socket or temp dir."""
+before Ray starts; SIGTERM in the middle of start-up, or while serving, leaves no Ray process, socket
+or temp dir; served beyond loopback with a key, the HTTP proxy is the one socket not on loopback."""
+import contextlib
 import os
 import shutil
 import signal
@@ -7,6 +9,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import queue
+import threading
 import time
 from pathlib import Path
 
@@ -14,6 +18,9 @@ import pytest
 
 from launch.serve import main
 from tasks.synthetic import write_dataset
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "k3y-for-the-life-test"
 
 
 @pytest.fixture()
@@ -52,12 +59,9 @@ def _ours(marker: str) -> list:
 def test_sigterm_during_start_up_leaves_nothing_behind(fake_export, tmp_path):
     pytest.importorskip("psutil")
     model, bird = fake_export
-    tmp = Path(tempfile.mkdtemp(prefix="arl-t", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
-    env = dict(os.environ, TMPDIR=str(tmp))
-    proc = subprocess.Popen([sys.executable, "-m", "launch.serve", "--model", str(model), "--bird-dir", str(bird),
-                             "--port", str(_free_port()), "--start-timeout", "300"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with _serving([sys.executable, "-m", "launch.serve", "--model", str(model), "--bird-dir", str(bird),
+                   "--port", str(_free_port()), "--start-timeout", "300"], {}) as run:
+        proc, tmp = run["proc"], run["tmp"]
         deadline = time.monotonic() + 180
         ray_dir = None
         while time.monotonic() < deadline and proc.poll() is None:  # Ray is up: its session dir exists
@@ -67,19 +71,94 @@ def test_sigterm_during_start_up_leaves_nothing_behind(fake_export, tmp_path):
                 break
             time.sleep(0.5)
         assert ray_dir is not None, proc.stderr.read() if proc.poll() is not None else "Ray did not start in 180 s"
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
+        err = _sigterm(proc)
+    _assert_stopped_clean(proc, err, run["leftover"])
+    assert _ours(str(ray_dir)) == []  # no raylet, GCS, worker or agent of that cluster is left
+
+
+@contextlib.contextmanager
+def _serving(argv: list[str], env: dict):
+    """The CLI in its own short TMPDIR (Ray's socket paths must fit 107 bytes); at exit it is killed if
+    still running, and run["leftover"] lists the arl-serve-ray-* dirs it left."""
+    tmp = Path(tempfile.mkdtemp(prefix="arl-t", dir="/tmp"))
+    full_env = dict(os.environ, TMPDIR=str(tmp), **env)
+    full_env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen(argv, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = {"proc": proc, "tmp": tmp, "leftover": []}
+    try:
+        yield run
     finally:
         if proc.poll() is None:
             proc.kill()
-        leftover = list(tmp.iterdir())
+        run["leftover"] = [p for p in tmp.iterdir() if p.name.startswith(("arl-serve-ray-", "arl-sqlpool-"))]
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sigterm(proc) -> str:
+    proc.send_signal(signal.SIGTERM)
+    return proc.communicate(timeout=120)[1]
+
+
+def _assert_stopped_clean(proc, err: str, leftover: list) -> None:
     assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]
-    assert not [p for p in leftover if p.name.startswith("arl-serve-ray-")], leftover
-    assert _ours(str(ray_dir)) == []  # no raylet, GCS, worker or agent of that cluster is left
+    assert leftover == []  # Ray's temp dir and the sandbox pool's
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+
+
+@pytest.mark.slow
+def test_beyond_loopback_only_the_proxy_is_exposed_it_needs_the_key_and_sigterm_leaves_nothing(tmp_path):
+    """`--host 0.0.0.0` with ARL_API_KEY on the tiny export, as a user starts it: the printed commands
+    carry $ARL_API_KEY (never the key); every listening socket of the service's process tree is on
+    loopback except the proxy's; through that socket a request without the key is a 401 and one with
+    it is answered; SIGTERM while serving ends it with exit 0 and nothing of it left."""
+    psutil = pytest.importorskip("psutil")
+    import httpx
+
+    from bench.chaos import descendants
+    from tests.test_security import LOOPBACK, _listening
+    from tests.tiny_export import build
+
+    model, bird = build(tmp_path / "export")
+    port = _free_port()
+    with _serving([sys.executable, "-m", "launch.serve", "--model", str(model), "--bird-dir", str(bird),
+                   "--host", "0.0.0.0", "--port", str(port), "--start-timeout", "300"], {"ARL_API_KEY": KEY}) as run:
+        proc = run["proc"]
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
+        printed: list[str] = []
+        deadline = time.monotonic() + 300
+        while not any(ln.startswith("ready:") for ln in printed):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "not ready"
+            try:
+                printed.append(lines.get(timeout=1))
+            except queue.Empty:
+                pass
+        time.sleep(1)  # the rest of the ready message
+        while not lines.empty():
+            printed.append(lines.get())
+        tree = set(descendants(proc.pid)) | {proc.pid}
+        listening = _listening(tree)
+        exposed = sorted(a for a in listening if not a.startswith(LOOPBACK))
+        assert exposed == [f"00000000:{port}"], (exposed, listening)  # 0.0.0.0:<port>, the proxy alone
+        addrs = [a.address for nic in psutil.net_if_addrs().values() for a in nic
+                 if a.family == socket.AF_INET and not a.address.startswith("127.")]
+        base = f"http://{addrs[0] if addrs else '127.0.0.1'}:{port}"
+        assert httpx.get(base + "/healthz", timeout=60).status_code == 200
+        r = httpx.get(base + "/v1/databases", timeout=60)
+        assert r.status_code == 401 and r.json() == {"error": "missing API key: send the header 'Authorization: Bearer <key>'"}
+        r = httpx.get(base + "/v1/databases", headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert r.status_code == 200 and r.json()["databases"]
+        err = _sigterm(proc)
+    out = "".join(printed)
+    assert 'curl -s -H "Authorization: Bearer $ARL_API_KEY"' in out and "API key required" in out
+    assert KEY not in out + err
+    _assert_stopped_clean(proc, err, run["leftover"])
+    alive = [pid for pid in tree - {proc.pid} if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    assert alive == []
