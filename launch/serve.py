@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     """The CLI (launch/serve_life.py: checks, our own Ray, the service, a clean stop)."""
     from launch.serve_life import main as cli
 
-    return cli(argv)
+    return cli(argv, start)
 
 
 if __name__ == "__main__":

@@ -114,7 +114,9 @@ def stop(temp_dir: str | None, wait_s: float = 15.0) -> list[int]:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None, start) -> int:
+    """The CLI; `start(opts, host, port, replicas, actor_options, timeout_s) -> url` deploys the service
+    on the connected Ray (launch/serve.py's, passed in: this module never imports that one)."""
     from launch.serve_http import ServeOptions, find_databases, host_refusal, key_digest
     from observe.logs import quiet_cpu_host
 
@@ -187,8 +189,6 @@ def main(argv: list[str] | None = None) -> int:
         gpus = args.gpus_per_replica if args.gpus_per_replica is not None else float(engine == "vllm")
         if gpus:
             actor_options["num_gpus"] = gpus
-        from launch.serve import start
-
         url = start(opts, args.host, args.port, args.replicas, actor_options, args.start_timeout)
         db = next(iter(dbs))
         key_ref = "$ARL_API_KEY" if args.api_key is None else "<your key>"
