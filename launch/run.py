@@ -260,6 +260,11 @@ def dashboard_available(log=None) -> bool:
     return not missing
 
 
+# Ray waits a fixed 30 s for its raylet to register (ray/_private/node.py); on a loaded machine (seen at
+# load average ~35 on 2 cores) that wait runs out and ray.init raises. A local start is tried this often.
+LOCAL_RAY_ATTEMPTS = 3
+
+
 def start_ray(cfg: RunConfig, run_dir: Path, log) -> None:
     import ray
 
@@ -276,10 +281,19 @@ def start_ray(cfg: RunConfig, run_dir: Path, log) -> None:
         with ray_on_loopback(cfg.cluster.ray_loopback):
             # address="local": always a new cluster of our own, never one found through
             # /tmp/ray/ray_current_cluster (another user's or another run's; RAY_ADDRESS joins one).
-            ray.init(address="local", num_cpus=cfg.cluster.num_cpus or local_num_cpus(make_placement(cfg), host_cpus()), num_gpus=cfg.cluster.gpus_per_node or None,
-                     include_dashboard=dashboard_available(log), dashboard_host=cfg.cluster.dashboard_host,
-                     runtime_env=runtime_env,
-                     log_to_driver=False, _temp_dir=os.environ.get("ARL_RAY_TMP") or None)
+            for attempt in range(1, LOCAL_RAY_ATTEMPTS + 1):
+                try:
+                    ray.init(address="local", num_cpus=cfg.cluster.num_cpus or local_num_cpus(make_placement(cfg), host_cpus()), num_gpus=cfg.cluster.gpus_per_node or None,
+                             include_dashboard=dashboard_available(log), dashboard_host=cfg.cluster.dashboard_host,
+                             runtime_env=runtime_env,
+                             log_to_driver=False, _temp_dir=os.environ.get("ARL_RAY_TMP") or None)
+                    return
+                except Exception as e:  # noqa: BLE001 - Ray's fixed 30 s raylet registration wait
+                    if "timed out during startup" not in str(e) or attempt == LOCAL_RAY_ATTEMPTS:
+                        raise
+                    log.warning("local ray did not start in its 30 s (an overloaded machine?); starting it again",
+                                attempt=attempt, of=LOCAL_RAY_ATTEMPTS)
+                    ray.shutdown()
 
 
 def run(cfg: RunConfig) -> int:

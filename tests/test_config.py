@@ -125,6 +125,45 @@ def test_ray_dashboard_is_skipped_when_its_modules_are_missing(monkeypatch):
     assert run.dashboard_available() is False
 
 
+def test_a_local_ray_start_that_timed_out_is_tried_again_fake_ray_init(monkeypatch):
+    """Ray waits a fixed 30 s for its raylet; on an overloaded machine that runs out. The launcher tries
+    a local start LOCAL_RAY_ATTEMPTS times (ray.init stands in: a real timeout needs a starved machine);
+    any other error, or the last timeout, is raised as it was."""
+    import ray
+
+    from launch import run
+
+    calls, shutdowns = [], []
+
+    def init(**kw):
+        calls.append(kw["address"])
+        if len(calls) < 3:
+            raise Exception("The current node timed out during startup. This could happen because ...")
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: shutdowns.append(1))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = apply_overrides(get_recipe("tiny"), [])
+    log = __import__("structlog").get_logger()
+    run.start_ray(cfg, None, log)
+    assert calls == ["local"] * 3 and len(shutdowns) == 2
+    calls.clear()
+    monkeypatch.setattr(run, "LOCAL_RAY_ATTEMPTS", 2)
+    with pytest.raises(Exception, match="timed out during startup"):
+        run.start_ray(cfg, None, log)
+    assert len(calls) == 2
+
+    def broken(**kw):
+        calls.append(1)
+        raise RuntimeError("port taken")
+
+    calls.clear()
+    monkeypatch.setattr(ray, "init", broken)
+    with pytest.raises(RuntimeError, match="port taken"):
+        run.start_ray(cfg, None, log)
+    assert calls == [1]  # not a timeout: no retry
+
+
 def test_validation_resolves_every_auto_and_the_saved_config_loads_back_the_same():
     """Every `auto` is resolved once, in validation (the weight transport and the learner's world size
     through the placement, the devices, the correction): a run's config.json holds no "auto" and
