@@ -9,7 +9,9 @@ Invariants:
 - A step's ScoredGroups are acked only after its TrainBatch is on the batches stream. If this
   actor dies first, the groups stay pending, a restarted assembler (same consumer name) reads
   them back, and the batch is rebuilt identically; the learner ignores a second batch for a step
-  it already trained.
+  it already trained. The scored stream is read by the one consumer loop (queues.worker.Worker with
+  acks="handler": this consumer's pending groups first, reclaim on the one cadence, never an ack
+  before the batch); an undecodable message is acked and counted, and its task ends "failed".
 - Packing follows policies.packing (policies.prefix with share_prompt: groups as units, the prompt
   counted once): every kept sample lands in exactly one micro-batch. A sample's tokens are its whole
   episode (observations included: they sit in the learner's row); its Sample.loss_mask travels in
@@ -41,7 +43,8 @@ from policies.grpo import group_advantages
 from policies.overlong import shape
 from policies.packing import plan_micro_batches, split_minibatches
 from policies.prefix import plan_group_micro_batches
-from queues.messages import (ScoredGroup, TrainBatch, TrainGroup, codec, oldest_version, sample_versions,  # noqa: F401
+from queues.errors import one_line
+from queues.messages import (SchemaError, ScoredGroup, TrainBatch, TrainGroup, codec, oldest_version, sample_versions,  # noqa: F401
                             task_step)  # task_step: re-exported (it lives in queues.messages)
 
 log = structlog.get_logger("arctic_rl.assembler")
@@ -180,35 +183,38 @@ class Assembler:
         # connect by itself on its first call.
         self._start_args = (redis_url, run_id, high_water) if redis_url else None
         self.consumer = consumer
-        self.reclaim_idle_ms = int(reclaim_idle_s * 1000)
+        self.reclaim_idle_s = reclaim_idle_s
         self.buffer: dict[str, tuple[str, ScoredGroup]] = {}  # task_id -> (stream id, group)
         self.resolved: dict[str, str] = {}  # task_id -> outcome, for steps already assembled
         self.duplicates = 0
+        self.undecodable = 0
         self.last_step = -1
         self._arrived = asyncio.Event()
-        self._task: asyncio.Task | None = None
-        self.scored = self.batches = None
+        self._task: asyncio.Task | None = None  # the consumer loop (queues.worker.Worker.run)
+        self.worker = self.conn = self.scored = self.batches = None
 
     async def start(self, redis_url: str, run_id: str, high_water: int = 4096) -> None:
-        from queues.streams import StageHash, Stream, connect
+        from queues.streams import RunStreams
+        from queues.worker import Worker
 
         if self._task is not None:
             return
         self._start_args = (redis_url, run_id, high_water)
-        redis = await connect(redis_url)
-        self.scored = Stream(redis, run_id, "scored", group="assembler")
-        self.batches = Stream(redis, run_id, "batches", group="learner", high_water=high_water)
+        self.conn = await RunStreams.open(redis_url, run_id)
+        self.scored = self.conn.stream("scored", group="assembler")
+        self.batches = self.conn.stream("batches", group="learner", high_water=high_water)
         # Each assembled step's result, written before its groups are acked: a collect that Ray
         # retries on a restarted instance returns it instead of waiting for acked groups.
-        self.memo = StageHash(redis, run_id, "assembled")
+        self.memo = self.conn.hash("assembled")
         await self.scored.ensure_group()
         await self.batches.ensure_group()
         for raw in await self.memo.values():
             self.resolved.update(json.loads(raw)["outcomes"])
-        # After a restart, first take back what this consumer held when it died.
-        for msg_id, data in await self.scored.pending_mine(self.consumer, count=100_000):
-            self._take(msg_id, data)
-        self._task = asyncio.create_task(self._consume_loop())
+        # The one consumer loop: this consumer's pending groups first (what it held when it died), then
+        # new ones. It never acks: collect acks a step's groups once their TrainBatch is published.
+        self.worker = Worker(self.scored, self.consumer, self._take, concurrency=64, read_count=64,
+                             reclaim_idle_s=self.reclaim_idle_s, heartbeat=False, on_error="leave", acks="handler")
+        self._task = asyncio.create_task(self.worker.run())
 
     async def _ensure_started(self) -> None:
         if self._task is None:
@@ -226,28 +232,25 @@ class Assembler:
     async def pid(self) -> int:
         return os.getpid()
 
-    def _take(self, msg_id: str, data: bytes) -> None:
-        group = codec(ScoredGroup).decode(data)
+    async def _take(self, msg_id: str, data: bytes) -> None:
+        """The consumer loop's handler: buffers a scored group (acked by collect), or acks a duplicate."""
+        try:
+            group = codec(ScoredGroup).decode(data)
+        except (SchemaError, msgspec.DecodeError) as e:
+            self.undecodable += 1  # retrying it could never succeed; its task ends "failed" at its deadline
+            log.error("assembler.undecodable_dropped", entry_id=msg_id, error=str(e)[:300])
+            await self.scored.ack([msg_id])
+            return
         task_id = group.rollout.task.task_id
         held = self.buffer.get(task_id)
         if held is not None and held[0] == msg_id:
             return  # our own unacked message, reclaimed back to us: it must stay pending until collect
         if held is not None or task_id in self.resolved:
             self.duplicates += 1
-            asyncio.get_running_loop().create_task(self.scored.ack([msg_id]))
+            await self.scored.ack([msg_id])
             return
         self.buffer[task_id] = (msg_id, group)
         self._arrived.set()
-
-    async def _consume_loop(self) -> None:
-        last_reclaim = time.monotonic()
-        while True:
-            for msg_id, data in await self.scored.consume(self.consumer, count=64, block_ms=200):
-                self._take(msg_id, data)
-            if time.monotonic() - last_reclaim > self.reclaim_idle_ms / 2000:
-                last_reclaim = time.monotonic()
-                for msg_id, data in await self.scored.reclaim(self.consumer, self.reclaim_idle_ms):
-                    self._take(msg_id, data)
 
     async def wait_for(self, task_ids: list[str], timeout_s: float) -> list[str]:
         """Waits until every task has a scored group (or was resolved); returns the missing."""
@@ -367,8 +370,17 @@ class Assembler:
                 f"buffered, {len(g('resolved', {}))} resolved, {g('duplicates')} duplicates ignored)")
 
     def stats(self) -> dict[str, float]:
-        return {"buffered": float(len(self.buffer)), "duplicates_ignored": float(self.duplicates)}
+        return {"buffered": float(len(self.buffer)), "duplicates_ignored": float(self.duplicates),
+                "undecodable": float(self.undecodable)}
 
     async def stop(self) -> None:
-        if self._task:
+        """Ends intake (within the worker's read bound); buffered groups stay pending in Redis."""
+        if self._task is None:
+            return
+        self.worker.stop()
+        done, _ = await asyncio.wait([self._task], timeout=5.0)
+        if not done:
             self._task.cancel()
+        elif not self._task.cancelled() and self._task.exception() is not None:
+            log.warning("assembler.loop_failed", error=one_line(self._task.exception()))
+        await self.conn.close()

@@ -146,12 +146,12 @@ class ScorerLoop:
             self.worker.stop()
 
     async def run(self, redis_url: str, run_id: str, high_water: int = 4096) -> None:
-        from queues.streams import Stream, connect
+        from queues.streams import RunStreams
         from queues.worker import Worker
 
-        redis = await connect(redis_url)
-        rollouts = Stream(redis, run_id, "rollouts", group="scorers", high_water=high_water)
-        scored = Stream(redis, run_id, "scored", high_water=high_water)
+        conn = await RunStreams.open(redis_url, run_id)
+        rollouts = conn.stream("rollouts", group="scorers", high_water=high_water)
+        scored = conn.stream("scored", high_water=high_water)
         decode = codec(RolloutGroup).decode
         encode = codec(ScoredGroup).encode
 
@@ -175,7 +175,7 @@ class ScorerLoop:
         try:
             await self.worker.run()
         finally:
-            await redis.aclose()
+            await conn.close()
 
 
 class ScorerShell:

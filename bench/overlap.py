@@ -60,7 +60,7 @@ from actors.scorer import Scorer, ScorerLoop  # noqa: E402
 from config import AssemblerConfig, GeneratorConfig, ScorerConfig  # noqa: E402
 from queues.messages import PromptTask, RolloutGroup, codec, pack_ids  # noqa: E402
 from queues.redis_server import EmbeddedRedis  # noqa: E402
-from queues.streams import Stream, connect, stream_key  # noqa: E402
+from queues.streams import Stream, connect  # noqa: E402
 from tasks.bird import load_split  # noqa: E402
 from tasks.synthetic import DOMAINS, write_dataset  # noqa: E402
 
@@ -207,7 +207,7 @@ async def run_mode(mode: str, redis_url: str, prompts: list[BenchPrompt], settin
     await assembler.start(redis_url, run_id)
     redis = await connect(redis_url)
     prompts_stream = Stream(redis, run_id, "prompts", group="generators")
-    rollouts_key = stream_key(run_id, "rollouts")
+    rollouts_stream = Stream(redis, run_id, "rollouts", group="scorers")
     ids = list(range(1, 65))
     tasks = [PromptTask(task_id=f"0:{slot}:0", prompt_id=p.prompt_id, step=0, policy_version=0,
                         prompt_tokens=pack_ids(ids), n=settings.samples, db_id=p.db_id, db_path=p.db_path,
@@ -223,7 +223,7 @@ async def run_mode(mode: str, redis_url: str, prompts: list[BenchPrompt], settin
         if mode == "stream":
             scorer_task = asyncio.create_task(scorer_loop.run(redis_url, run_id))
         else:
-            while await redis.xlen(rollouts_key) < len(tasks):
+            while await rollouts_stream.backlog() < len(tasks):
                 if generator_task.done():
                     generator_task.result()
                     raise RuntimeError("generator stopped before the step was generated")

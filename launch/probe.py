@@ -52,13 +52,9 @@ def redis_ping(url: str, timeout_s: float) -> str:
     if not url:
         return ""
     try:
-        import redis
+        from queues.streams import ping_blocking
 
-        client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-        try:
-            client.ping()
-        finally:
-            client.close()
+        ping_blocking(url, timeout_s)
         return ""
     except Exception as e:  # noqa: BLE001 - any failure is the answer
         from queues.streams import redact

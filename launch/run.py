@@ -159,13 +159,10 @@ def preflight(cfg: RunConfig) -> None:
 
     url = redis_url_of(cfg)
     if url:
-        from queues.streams import RedisUnavailable, connect, redact
+        from queues.streams import RedisUnavailable, ping, redact
 
-        async def ping():
-            client = await connect(url, timeout_s=5.0)
-            await client.aclose()
         try:
-            asyncio.run(ping())
+            asyncio.run(ping(url, timeout_s=5.0))
         except RedisUnavailable as e:
             raise RunFailed(f"REDIS_URL: {e}") from None
         except Exception as e:  # noqa: BLE001 - e.g. a malformed URL
@@ -185,15 +182,9 @@ def purge_run_keys(url: str, run_id: str) -> int:
     what a persisted or external Redis still holds of the crashed attempt must not leak in)."""
     import asyncio
 
-    from queues.streams import connect
+    from queues.streams import purge_run
 
-    async def purge() -> int:
-        client = await connect(url)
-        keys = [k async for k in client.scan_iter(match=f"arl:{run_id}:*")]
-        n = await client.delete(*keys) if keys else 0
-        await client.aclose()
-        return int(n)
-    return asyncio.run(purge())
+    return asyncio.run(purge_run(url, run_id))
 
 
 def start_redis(cfg: RunConfig, run_dir: Path, log):

@@ -11,6 +11,9 @@ Invariants:
   (backpressure), so a fast producer cannot fill Redis.
 - Connection loss is retried with backoff; past the deadline it is one RedisUnavailable error
   naming the URL (password redacted).
+- This module is the only way to Redis outside queues/: an actor opens a `RunStreams` (one run's
+  connection) and reads and writes through its `Stream`s and `StageHash`es; `ping`, `ping_blocking`
+  and `purge_run` serve the launcher and the preflight probe.
 """
 from __future__ import annotations
 
@@ -171,11 +174,25 @@ class Stream:
         return self._entries(res[0][1])
 
     async def pending_mine(self, consumer: str, count: int = 100) -> list[tuple[str, bytes]]:
-        """Messages already delivered to `consumer` but not acked (after a restart of it)."""
+        """Messages already delivered to `consumer` but not acked (after a restart of it), oldest first."""
         res = await self._call(lambda: self.redis.xreadgroup(self.group, consumer, {self.key: "0"}, count=count))
         if not res:
             return []
         return self._entries(res[0][1])
+
+    async def pending_all(self, consumer: str, page: int = 256) -> list[tuple[str, bytes]]:
+        """Every message delivered to `consumer` and not acked, oldest first (read in pages)."""
+        out: list[tuple[str, bytes]] = []
+        after = "0"
+        while True:
+            start = after
+            res = await self._call(lambda: self.redis.xreadgroup(self.group, consumer, {self.key: start}, count=page))
+            raw = res[0][1] if res else []
+            out += self._entries(raw)
+            if len(raw) < page:
+                return out
+            last = raw[-1][0]
+            after = last.decode() if isinstance(last, bytes) else last
 
     async def ack(self, ids: list[str]) -> None:
         if not ids:
@@ -250,6 +267,56 @@ class Stream:
 
     async def delete(self) -> None:
         await self._call(lambda: self.redis.delete(self.key))
+
+
+class RunStreams:
+    """One run's connection to Redis: makes its Streams and StageHashes, and closes them all.
+
+    What an actor holds instead of a client: outside queues/ nothing calls Redis but through these."""
+
+    def __init__(self, redis: aioredis.Redis, run_id: str):
+        self.redis = redis
+        self.run_id = run_id
+
+    @classmethod
+    async def open(cls, url: str, run_id: str, *, timeout_s: float = 10.0) -> "RunStreams":
+        return cls(await connect(url, timeout_s=timeout_s), run_id)
+
+    def stream(self, stage: str, group: str | None = None, **kwargs) -> "Stream":
+        return Stream(self.redis, self.run_id, stage, group, **kwargs)
+
+    def hash(self, name: str) -> "StageHash":
+        return StageHash(self.redis, self.run_id, name)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+
+async def ping(url: str, timeout_s: float = 5.0) -> None:
+    """Returns once Redis at `url` answers PING (and takes our credentials); RedisUnavailable if not in time."""
+    client = await connect(url, timeout_s=timeout_s)
+    await client.aclose()
+
+
+def ping_blocking(url: str, timeout_s: float) -> None:
+    """`ping` without an event loop (the preflight probe's synchronous report); raises what redis-py raises."""
+    import redis as sync_redis
+
+    client = sync_redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    try:
+        client.ping()
+    finally:
+        client.close()
+
+
+async def purge_run(url: str, run_id: str) -> int:
+    """Deletes every key of run `run_id` (`arl:<run>:*`: its streams and hashes); returns how many."""
+    client = await connect(url)
+    try:
+        keys = [k async for k in client.scan_iter(match=stream_key(run_id, "*"))]
+        return int(await with_retry(client, lambda: client.delete(*keys))) if keys else 0
+    finally:
+        await client.aclose()
 
 
 class StageHash:

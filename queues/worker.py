@@ -1,23 +1,30 @@
 """The one stream-consumer loop every stage uses: pending first, reclaim, heartbeat, ack after publish.
 
-A `Worker` reads one `Stream` as one consumer and runs `handle(entry_id, data)` for each entry, up
-to `concurrency` at once (a slow entry holds one slot, never the others). Order of intake: the
-consumer's own pending entries first (what it held before a restart), then new ones; every
-`reclaim_every_s` (one cadence, from `reclaim_idle_s`) entries idle on any consumer longer than
-`reclaim_idle_s` are taken over (XAUTOCLAIM). A heartbeat resets the idle time of the entries in
-flight here (`Stream.touch`) so no live peer takes them while they are being handled.
+A `Worker` reads one `Stream` as one consumer. Push mode, `run()`: it runs `handle(entry_id, data)`
+for each entry, up to `concurrency` at once (a slow entry holds one slot, never the others) -- the
+generator, the scorer, the assembler, the coordinator's events. Pull mode, `take(pick, timeout_s)`:
+the caller asks for one entry at a time and `pick` chooses it -- the learner's batch for step s.
+Order of intake, both modes: the consumer's own pending entries first (all of them: what it held
+before a restart), then new ones; every `reclaim_every_s` (one cadence, from `reclaim_idle_s`)
+entries idle on any consumer longer than `reclaim_idle_s` are taken over (XAUTOCLAIM). A heartbeat
+resets the idle time of the entries in flight here (`Stream.touch`) so no live peer takes them while
+they are being handled.
 
 Invariants:
-- Each entry is handled until it is acked: an entry is acked only when `handle` returned without
-  raising, and `handle` returns only after its output is published. So nothing is acked before
-  its output is published, and a handler that raises leaves its entry pending.
+- Nothing is acked before its output is published. `acks="worker"` (the default): an entry is acked
+  only when `handle` returned without raising, and `handle` returns only after its output is
+  published; a handler that raises leaves its entry pending. `acks="handler"` (the assembler, which
+  holds a step's groups until their TrainBatch is published): the worker never acks; the handler, or
+  its owner later, acks once the output is out. Pull mode never acks: the caller does, after use.
 - A dead consumer's entries are reclaimed by a live one after `reclaim_idle_s`; a live consumer's
   in-flight entries are kept fresh by the heartbeat (period reclaim_idle_s / 3), so they are not.
+  Entries a handler holds after returning (`acks="handler"`) or that `take` passed over are not
+  heartbeaten: a reclaim hands them back to their owner, whose handler / `pick` sees them again.
 - One entry is never handled twice at once by the same worker (a reclaim of our own entry is skipped).
 - Every wait is bounded: reads block at most `block_ms`, `stop()` ends intake within the read
   bound, and the entries in flight then get `drain_s` to finish (then cancelled, left pending);
   `drain_s=None` waits for them, for a handler that bounds itself (the generator: the engine's
-  max_tokens, and its pause timeout's abort).
+  max_tokens, and its pause timeout's abort). `take` returns None after `timeout_s`.
 - `pulling` is True while a read is under way, and what a read returns is spawned before it drops,
   so "not pulling and nothing in flight" means nothing taken is unhandled (the generator's pause).
 - `on_error="raise"` ends `run()` with a handler's exception (Ray restarts the actor);
@@ -28,13 +35,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, TypeVar
 
 from queues.errors import one_line
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[str, bytes], Awaitable[None]]
+T = TypeVar("T")
 
 
 def reclaim_every_s(reclaim_idle_s: float) -> float:
@@ -47,14 +55,18 @@ def heartbeat_every_s(reclaim_idle_s: float) -> float:
 
 
 class Worker:
-    """Consumes `stream` as `consumer` with `handle`; `run()` until `stop()`."""
+    """Consumes `stream` as `consumer`: with `handle`, `run()` until `stop()`; or `take()` one at a time."""
 
-    def __init__(self, stream, consumer: str, handle: Handler, *, concurrency: int = 8,
+    def __init__(self, stream, consumer: str, handle: Handler | None = None, *, concurrency: int = 8,
                  reclaim_idle_s: float = 30.0, block_ms: int = 200, heartbeat: bool = True,
                  on_error: str = "raise", drain_s: float | None = 0.0, read_count: int = 64,
-                 may_pull: Callable[[], bool] | None = None, on_change: Callable[[], None] | None = None):
+                 acks: str = "worker", may_pull: Callable[[], bool] | None = None,
+                 on_change: Callable[[], None] | None = None):
         if on_error not in ("raise", "leave"):
             raise ValueError(f"on_error must be 'raise' or 'leave', got {on_error!r}")
+        if acks not in ("worker", "handler"):
+            raise ValueError(f"acks must be 'worker' or 'handler', got {acks!r}")
+        self.acks = acks
         self.stream = stream
         self.consumer = consumer
         self.handle = handle
@@ -73,6 +85,7 @@ class Worker:
         self.reclaimed = 0
         self.handled = 0
         self.failed = 0
+        self._group_ready = False
         self._stop = asyncio.Event()
         self._changed = asyncio.Event()
 
@@ -91,11 +104,13 @@ class Worker:
     # -- the loop ------------------------------------------------------------------------------
 
     async def run(self) -> None:
+        if self.handle is None:
+            raise ValueError(f"{self.stream.key} {self.consumer}: run() needs a handler (take() is the pull mode)")
         await self.stream.ensure_group()
         beat = asyncio.create_task(self._heartbeat()) if self.heartbeat else None
         failure: list[BaseException] = []
         try:
-            backlog = await self.stream.pending_mine(self.consumer, count=max(100, self.concurrency))
+            backlog = await self.stream.pending_all(self.consumer)
             next_reclaim = time.monotonic() + reclaim_every_s(self.reclaim_idle_s)
             while not self._stop.is_set():
                 self._raise_failures(failure)
@@ -135,6 +150,39 @@ class Worker:
             for task in list(self.inflight.values()):
                 task.cancel()  # left pending: reclaimed, or taken first by our restart
 
+    async def take(self, pick: Callable[[str, bytes], Awaitable[T | None]], timeout_s: float) -> tuple[str, T] | None:
+        """Pull mode: offers entries to `pick(entry_id, data)` until it returns something other than
+        None; returns (that entry's id, what `pick` returned), or None after `timeout_s`.
+
+        Offered in the module's order: this consumer's pending entries, then new ones (a read blocks
+        at most `block_ms`), a reclaim on the one cadence when nothing new came, and this consumer's
+        pending list again (an entry Redis delivered on a read whose reply was lost on a reconnect sits
+        there). Nothing is acked here: `pick` may ack an entry it discards, an entry it passes over stays
+        pending and is offered again, and the caller acks the taken entry once it is used."""
+        if not self._group_ready:
+            await self.stream.ensure_group()
+            self._group_ready = True
+        deadline = time.monotonic() + timeout_s
+        next_reclaim = time.monotonic() + reclaim_every_s(self.reclaim_idle_s)
+        entries = await self.stream.pending_all(self.consumer)
+        while time.monotonic() < deadline:
+            if not entries:
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                entries = await self.stream.consume(self.consumer, count=self.read_count,
+                                                    block_ms=max(1, min(self.block_ms, left_ms)))
+            if not entries and time.monotonic() >= next_reclaim:
+                next_reclaim = time.monotonic() + reclaim_every_s(self.reclaim_idle_s)
+                entries = await self.stream.reclaim(self.consumer, self.reclaim_idle_ms, count=self.read_count)
+                self.reclaimed += len(entries)
+            if not entries:
+                entries = await self.stream.pending_all(self.consumer)
+            for eid, data in entries:
+                got = await pick(eid, data)
+                if got is not None:
+                    return eid, got
+            entries = []
+        return None
+
     def _raise_failures(self, failure: list[BaseException]) -> None:
         if failure:
             raise failure[0]
@@ -164,7 +212,8 @@ class Worker:
     async def _one(self, eid: str, data: bytes, failure: list[BaseException]) -> None:
         try:
             await self.handle(eid, data)
-            await self.stream.ack([eid])  # only now: its output is published
+            if self.acks == "worker":
+                await self.stream.ack([eid])  # only now: its output is published
             self.handled += 1
         except asyncio.CancelledError:
             raise

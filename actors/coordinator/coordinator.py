@@ -27,6 +27,7 @@ actors/coordinator/checkpoint.py (mixins of Coordinator, with their own invarian
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -68,23 +69,43 @@ class Coordinator(WeightSyncHandshake, Checkpointing):
     # -- streams -----------------------------------------------------------------------------
 
     async def connect(self) -> None:
-        from queues.streams import Stream, connect
+        """The run's streams, and the events consumer (the one consumer loop, queues.worker.Worker) in
+        the background: every "generated" notice is recorded, then acked."""
+        from queues.streams import RunStreams
+        from queues.worker import Worker
 
-        redis = await connect(self.redis_url)
+        self.conn = await RunStreams.open(self.redis_url, self.run_id)
         hw = self.cfg.cluster.stream_high_water
-        self.prompts = Stream(redis, self.run_id, "prompts", group="generators", high_water=hw)
-        self.events = Stream(redis, self.run_id, "events", group="coordinator", high_water=0)
-        self.depth_streams = {s: Stream(redis, self.run_id, s, group=g) for s, g in
+        self.prompts = self.conn.stream("prompts", group="generators", high_water=hw)
+        self.events = self.conn.stream("events", group="coordinator", high_water=0)
+        self.depth_streams = {s: self.conn.stream(s, group=g) for s, g in
                               [("prompts", "generators"), ("rollouts", "scorers"), ("scored", "assembler"), ("batches", "learner")]}
         for s in (self.prompts, self.events, *self.depth_streams.values()):
             await s.ensure_group()
+        self._event_arrived = asyncio.Event()
+        self._events_worker = Worker(self.events, "coordinator", self._on_event, concurrency=64, read_count=512,
+                                     reclaim_idle_s=self.cfg.cluster.reclaim_idle_s, heartbeat=False, on_error="raise")
+        self._events_task = asyncio.create_task(self._events_worker.run())
 
-    async def _drain_events(self) -> None:
-        for msg_id, data in await self.events.consume("coordinator", count=512, block_ms=50):
-            ev = codec(Event).decode(data)
-            if ev.kind == "generated":
-                self._generated[ev.task_id] = ev.at
-            await self.events.ack([msg_id])
+    async def disconnect(self) -> None:
+        """Stops the events consumer (within its read bound) and closes the run's connection."""
+        self._events_worker.stop()
+        await asyncio.wait([self._events_task], timeout=5.0)
+        self._events_task.cancel()
+        await self.conn.close()
+
+    async def _on_event(self, entry_id: str, data: bytes) -> None:
+        ev = codec(Event).decode(data)
+        if ev.kind == "generated":
+            self._generated[ev.task_id] = ev.at
+            self._event_arrived.set()
+
+    def _check_events(self) -> None:
+        """The events consumer's failure (Redis gone for good, an undecodable event) ends the run."""
+        if self._events_task.done():
+            if not self._events_task.cancelled() and self._events_task.exception() is not None:
+                raise self._events_task.exception()
+            raise RuntimeError(f"coordinator: the events consumer of {self.events.key} ended")
 
     def _forget_generated(self, before_step: int) -> None:
         """Bounds the generated-events map: tasks of steps before `before_step` (evals too) go."""
@@ -98,9 +119,17 @@ class Coordinator(WeightSyncHandshake, Checkpointing):
         deadline = time.monotonic() + timeout_s
         next_heal = time.monotonic() + 1.0
         while time.monotonic() < deadline:
-            await self._drain_events()
+            self._check_events()
             if all(t in self._generated for t in task_ids):
                 break
+            self._event_arrived.clear()
+            if all(t in self._generated for t in task_ids):
+                break
+            try:
+                await asyncio.wait_for(self._event_arrived.wait(),
+                                       max(0.0, min(next_heal, deadline) - time.monotonic()))
+            except asyncio.TimeoutError:
+                pass
             if time.monotonic() >= next_heal:
                 await self.heal_generators()
                 next_heal = time.monotonic() + 1.0
@@ -256,8 +285,14 @@ class Coordinator(WeightSyncHandshake, Checkpointing):
     # -- the loop ----------------------------------------------------------------------------
 
     async def run(self) -> dict[str, Any]:
-        cfg = self.cfg.coordinator
         await self.connect()
+        try:
+            return await self._steps()
+        finally:
+            await self.disconnect()
+
+    async def _steps(self) -> dict[str, Any]:
+        cfg = self.cfg.coordinator
         started = time.monotonic()
         per_step = self.cfg.coordinator.prompts_per_step
         pending: list[tuple[int, list[str]]] = []  # async mode: steps published ahead

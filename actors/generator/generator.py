@@ -107,17 +107,17 @@ class Generator:
         The prompts stream is read by the one consumer loop (queues.worker.Worker): this consumer's
         own pending tasks first, reclaim of a dead peer's, a heartbeat over the tasks in flight here,
         ack after the group (and its "generated" event) is published; no intake while paused."""
-        from queues.streams import Stream, connect
+        from queues.streams import RunStreams
         from queues.worker import Worker
 
         self._bind()
         self.generator_id = generator_id
         self._stop = False
-        redis = await connect(redis_url)
-        prompts = Stream(redis, run_id, "prompts", group="generators")
-        rollouts = Stream(redis, run_id, "rollouts", high_water=self.stream_high_water)
+        conn = await RunStreams.open(redis_url, run_id)
+        prompts = conn.stream("prompts", group="generators")
+        rollouts = conn.stream("rollouts", high_water=self.stream_high_water)
         # "generated" notices let the coordinator sleep the engines the moment a step is done.
-        self._events = Stream(redis, run_id, "events", high_water=0)
+        self._events = conn.stream("events", high_water=0)
         # A failed publish (Redis gone past its retry budget) is logged and leaves the task pending for
         # a reclaim; stop() waits for what is in flight (drain_s=None: the engine bounds a request).
         self._worker = Worker(prompts, generator_id, lambda eid, data: self._serve(data, rollouts),
@@ -129,7 +129,7 @@ class Generator:
         finally:
             self._m["tasks_reclaimed"] += self._worker.reclaimed
             self._worker = None
-            await redis.aclose()
+            await conn.close()
 
     @property
     def _inflight(self) -> dict[str, asyncio.Task]:

@@ -2,9 +2,10 @@
 LearnerGroup call; all training behaviour lives in actors/learner/learner.py.
 
 Invariants:
-- Rank 0 alone reads the `batches` stream (consumer "learner-0"), keeps the ledger of trained steps
-  (saved with each checkpoint) and acks a batch only once its step is trained; a batch of a step
-  already trained is acked and skipped, so a resumed run never trains a step twice.
+- Rank 0 alone reads the `batches` stream (consumer "learner-0", the one consumer loop in pull mode:
+  queues.worker.Worker.take), keeps the ledger of trained steps (saved with each checkpoint) and acks
+  a batch only once its step is trained; a batch of a step already trained is acked and skipped, so
+  a resumed run never trains a step twice.
 - A world of one trains straight from the stream (`train_from_stream`); a larger world goes
   through `take_batch` / `train_taken` + `train_bytes` / `finish_taken` driven by the group.
 - Weight sync is one verb, `send_weights(call)`, forwarded to this rank's end of the transport
@@ -14,7 +15,6 @@ Invariants:
 from __future__ import annotations
 
 import os
-import time
 
 import structlog
 import torch
@@ -79,34 +79,36 @@ class LearnerShell:
         init_world(self.rank, self.world_size, "nccl" if cuda else "gloo", store=self._store, host=host, port=port)
         self.learner = Learner(*self._args)
 
-    async def connect(self, redis_url: str, run_id: str) -> None:
-        from queues.streams import Stream, connect
+    async def connect(self, redis_url: str, run_id: str, reclaim_idle_s: float = 30.0) -> None:
+        """Rank 0: the batches stream, read by the one consumer loop in pull mode (queues.worker.Worker.take)."""
+        from queues.streams import RunStreams
+        from queues.worker import Worker
 
-        self.batches = Stream(await connect(redis_url), run_id, "batches", group="learner")
+        self.conn = await RunStreams.open(redis_url, run_id)
+        self.batches = self.conn.stream("batches", group="learner")
         await self.batches.ensure_group()
+        self.batch_worker = Worker(self.batches, "learner-0", reclaim_idle_s=reclaim_idle_s, block_ms=500, read_count=4)
 
     async def _take(self, step: int, timeout_s: float) -> tuple[str, TrainBatch, bytes]:
-        """The batch for `step` from the stream; acks (and skips) batches of steps already trained."""
+        """The batch for `step` from the stream; acks (and skips) batches of steps already trained and
+        leaves a later step's batch pending for its turn."""
         from queues.messages import codec
 
-        deadline = time.monotonic() + timeout_s
-        entries = await self.batches.pending_mine("learner-0")
-        while time.monotonic() < deadline:
-            if not entries:
-                entries = await self.batches.consume("learner-0", count=4, block_ms=500)
-            if not entries:  # delivered to us but the reply was lost (a reconnect): it sits in our pending list
-                entries = await self.batches.pending_mine("learner-0")
-            for msg_id, data in entries:
-                batch = codec(TrainBatch).decode(data)
-                if batch.step in self.trained_steps or batch.step < step:
-                    await self.batches.ack([msg_id])
-                    continue
-                if batch.step != step:
-                    continue  # a later step's batch: leave it pending for its turn
-                return msg_id, batch, data
-            entries = []
-        raise TimeoutError(f"learner: no TrainBatch for step {step} on stream {self.batches.key} (group learner) "
-                           f"within {timeout_s:.0f}s")
+        decode = codec(TrainBatch).decode
+
+        async def pick(msg_id: str, data: bytes) -> tuple[TrainBatch, bytes] | None:
+            batch = decode(data)
+            if batch.step in self.trained_steps or batch.step < step:
+                await self.batches.ack([msg_id])
+                return None
+            return (batch, data) if batch.step == step else None
+
+        got = await self.batch_worker.take(pick, timeout_s)
+        if got is None:
+            raise TimeoutError(f"learner: no TrainBatch for step {step} on stream {self.batches.key} (group learner) "
+                               f"within {timeout_s:.0f}s")
+        msg_id, (batch, data) = got
+        return msg_id, batch, data
 
     async def _finish(self, msg_id: str, batch: TrainBatch, metrics: dict) -> dict:
         self.trained_steps.add(batch.step)
