@@ -122,26 +122,26 @@ def gpu1_0p6b() -> RunConfig:
     three databases of their own, no held-out text ever trained on; every held-out prompt evaluated, greedy
     and 8 samples at T=1, before training and every 10 steps), a decoder of Qwen3-0.6B's shape built on
     the spot (hidden 1024, 28 layers, 16/8 heads, FFN 3072; head_dim 64 and the task's 2,048-token
-    vocabulary: 354M parameters), the slip warm start (60 % of targets slipped, as tiny), then 40 GRPO
-    steps of 16 prompts x 8 samples: vLLM (eager, sleep level 2), one learner rank (ZeRO-0, bf16, liger,
-    gradient checkpointing, optimizer offload), the CUDA-IPC weight sync every step, TIS at 2.
+    vocabulary: 354M parameters), a slip warm start (400 steps at lr 1e-3, 30 % of targets slipped), then
+    60 GRPO steps of 16 prompts x 8 samples at lr 2e-4: vLLM (eager, sleep level 2), one learner rank
+    (ZeRO-0, bf16, liger, gradient checkpointing, optimizer offload), the CUDA-IPC weight sync every step,
+    TIS at 2.
 
-    Why these numbers (none measured on this task yet; bench/gpu_recipe.sh measures them):
-    - Warm start 200 steps at lr 3e-4: 3e-4 is the rate this shape was measured stable at from random
-      init (2026-12-03 on the H200: loss 2.31 -> 0.096 in 150 steps, docs/perf/vllm_sync.md); tiny's 3e-3
-      is for a 2-layer, 128-wide model. 200 rather than 150 steps: the slipped targets are a mixture the
-      policy must match, not one answer to memorise (tiny: 300 steps at 3e-3).
-    - RL lr 1e-4 = the warm start's lr / 3, tiny's CI climb ratio (3e-3 -> 1e-3 for 24 steps: held-out
-      reward +0.21, greedy accuracy +0.32, against +0.00 for the lr-1e-9 control); tiny's recipe uses /10
-      over 60 steps. The old 1e-5 barely learned (2026-12-04: +0.08 reward, +0.01-0.02 greedy accuracy in
-      120 steps): Adam moves each weight by about lr per step, and 1e-5 is below the bf16 spacing of a
-      weight of magnitude ~0.02 (6e-5 to 1.2e-4), so the bf16 weights the sampler receives changed only
-      every several steps (the fp32 masters accumulate), ~1.2e-3 in all. 1e-4 moves them every step.
-      A warm-up of 10 % of the steps softens the first steps (Adam's moments still hold the warm start's
-      CE gradients, so early RL steps are smaller than lr anyway).
-    - 40 steps: the H200 run of 2026-12-04 took 2.02 s per step (16 x 8 samples) after ~100 s of
-      start-up (vLLM's eager start ~70 s, the learner, the warm start), so one seed is ~4 minutes and
-      two seeds fit one 10-minute device call; the issue's bound is 8 minutes per run.
+    Why these numbers:
+    - The warm start was chosen by a sweep on the H200 (2026-12-04, `python -m bench.gpu_warm_start`, seed
+      0, docs/perf/vllm_sync.md): the old 200 steps at 3e-4 with 60 % slips left this shape at 0.014
+      held-out greedy accuracy (0.01 sampled), too few right samples for GRPO; of the eight warm starts
+      measured, 400 steps at 1e-3 with 30 % slips left it best placed: held-out greedy 0.311, sampled
+      accuracy 0.206, sampled reward 0.260 (60 % slips: greedy 0.04-0.15 at every length and rate tried;
+      the held-out misses of this shape are mostly not slips but answers that do not carry over to new
+      databases, so a larger share of slips only lowers the start).
+    - RL lr 2e-4 (the warm start's / 5, between tiny's /3 CI climb and its recipe's /10): Adam moves each
+      weight by about lr per step and the sampler gets bf16 weights, whose spacing at magnitude ~0.02 is
+      6e-5 to 1.2e-4, so anything much below 1e-4 leaves the sampled policy unchanged for several steps
+      (the old 1e-5 barely learned: +0.01-0.02 greedy in 120 steps). A warm-up of 10 % of the steps
+      softens the first steps.
+    - 60 steps: ~2.2 s per step on the H200 (2026-12-04) after ~100 s of start-up and ~60 s of warm
+      start: one seed is ~5-6 minutes, under the issue's bound of 8 minutes per run.
     - filter_zero_variance as tiny: a group with one reward has no gradient and would only dilute the
       token-mean loss.
     - max_inflight_prompts 128: an evaluation publishes ~75 greedy + ~75 sampled groups at once.
@@ -151,17 +151,17 @@ def gpu1_0p6b() -> RunConfig:
     cfg.data.eval_samples = 8  # tiny's task as it is; 8 samples per held-out prompt (vLLM: ~1-2 s per eval)
     cfg.model = ModelConfig(source="tiny", dtype="bfloat16", attn_implementation="sdpa", tiny_hidden_size=1024,
                             tiny_layers=28, tiny_heads=16, tiny_kv_heads=8, tiny_intermediate_size=3072,
-                            tiny_vocab_size=2048, tiny_sft_steps=200, tiny_sft_lr=3e-4, tiny_sft_slip=0.6)
+                            tiny_vocab_size=2048, tiny_sft_steps=400, tiny_sft_lr=1e-3, tiny_sft_slip=0.3)
     cfg.generator = GeneratorConfig(engine="vllm", n_samples=8, temperature=1.0, max_tokens=48,
                                     gpu_memory_utilization=0.3, enforce_eager=True, sleep_level=2,
                                     max_inflight_prompts=128, num_cpus=1.0)
     cfg.scorer = ScorerConfig(workers=4, timeout_s=5.0, memory_mb=1024, num_cpus=0.5)
     cfg.assembler = AssemblerConfig(micro_batch_tokens=16_384, filter_zero_variance=True, num_cpus=0.25)
-    cfg.learner = LearnerConfig(zero_stage=0, dtype="bfloat16", lr=1e-4, warmup_ratio=0.1, betas=[0.9, 0.99],
+    cfg.learner = LearnerConfig(zero_stage=0, dtype="bfloat16", lr=2e-4, warmup_ratio=0.1, betas=[0.9, 0.99],
                                 grad_clip=1.0, update_epochs=1, clip_low=0.2, clip_high=0.28, use_liger=True,
                                 gradient_checkpointing=True, offload_optimizer=True, correction="tis",
                                 correction_cap=2.0, device="cuda", num_gpus=1.0, num_cpus=1.0)
-    cfg.coordinator = CoordinatorConfig(mode="colocated", steps=40, prompts_per_step=16, eval_every=10,
+    cfg.coordinator = CoordinatorConfig(mode="colocated", steps=60, prompts_per_step=16, eval_every=10,
                                         checkpoint_every=0, weight_sync="cuda_ipc", num_cpus=0.25)
     cfg.cluster = ClusterConfig(num_nodes=1, gpus_per_node=1, gpu_memory_gib=141.0, num_cpus=8)
     return cfg
