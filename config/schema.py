@@ -202,6 +202,12 @@ class LearnerConfig(_Section):
     # Learner ranks (one process each, one torch.distributed world, DeepSpeed data parallel). On CPU
     # this many processes over gloo; on GPU recipes the placement's world size decides.
     num_ranks: int = 1
+    # Seconds any collective of the learner (its torch.distributed world and every group DeepSpeed makes
+    # in it, and every weight-sync group: learner rank 0 + the generators) may wait for a peer. A peer that
+    # died or hangs mid-collective fails it within this bound (on GPUs NCCL's watchdog ends the process),
+    # and the launcher relaunches the run from its latest checkpoint (cluster.max_relaunches). Long enough
+    # for the slowest rank of a healthy step to arrive (a checkpoint shard written, a ZeRO-3 load).
+    collective_timeout_s: float = 600.0
 
 
 class CoordinatorConfig(_Section):

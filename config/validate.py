@@ -140,6 +140,8 @@ def check(cfg: RunConfig) -> None:
     need(cfg.learner.checkpoint_layers >= -1, "learner.checkpoint_layers", "must be -1 (every layer) or >= 0")
     need(0 <= cfg.learner.warmup_ratio < 1, "learner.warmup_ratio", "must be in [0, 1)")
     need(cfg.learner.num_ranks >= 1, "learner.num_ranks", "must be >= 1")
+    need(cfg.learner.collective_timeout_s > 0, "learner.collective_timeout_s",
+         "must be > 0 (seconds a collective may wait for a peer before the run is relaunched)")
     need(cfg.generator.max_turns >= 1, "generator.max_turns", "must be >= 1 (1: one-shot answers)")
     need(0 <= cfg.model.tiny_sft_episodes <= 1, "model.tiny_sft_episodes", "must be in [0, 1]")
     need(0 <= cfg.model.tiny_sft_value_slips <= 1, "model.tiny_sft_value_slips", "must be in [0, 1]")

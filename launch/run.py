@@ -357,11 +357,14 @@ def run(cfg: RunConfig) -> int:
 
 
 def actor_died(e: BaseException) -> bool:
-    """Whether `e` is, or was caused by, the death of a Ray actor (Ray wraps the cause)."""
+    """Whether `e` is, or was caused by, the death of a Ray actor (Ray wraps the cause) or a collective
+    that failed on a dead or hung peer within learner.collective_timeout_s: that world cannot go on."""
     from ray.exceptions import RayActorError
 
+    from actors.learner.world import is_collective_failure
+
     for _ in range(8):
-        if isinstance(e, RayActorError):
+        if isinstance(e, RayActorError) or is_collective_failure(e):
             return True
         nxt = getattr(e, "cause", None) or e.__cause__
         if nxt is None or nxt is e:
@@ -373,7 +376,8 @@ def actor_died(e: BaseException) -> bool:
 def run_with_relaunches(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_path: str,
                         train_items: list, eval_items: list, log) -> dict[str, Any]:
     """place_and_run, started again from the latest checkpoint when the learner or the
-    coordinator dies (actors Ray does not restart), up to cluster.max_relaunches times."""
+    coordinator dies (actors Ray does not restart) or a learner collective fails on a dead or hung
+    peer (learner.collective_timeout_s), up to cluster.max_relaunches times."""
     from actors.coordinator.coordinator import Coordinator
     from launch.place import kill_run_actors, place_and_run
 
@@ -387,8 +391,8 @@ def run_with_relaunches(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: s
             if not actor_died(e) or latest is None or relaunches >= cfg.cluster.max_relaunches:
                 raise
             relaunches += 1
-            log.warning("an actor died: relaunching the run from its latest checkpoint", error=one_line(e),
-                        checkpoint=latest.name, relaunch=relaunches, of=cfg.cluster.max_relaunches)
+            log.warning("an actor died or a collective failed: relaunching the run from its latest checkpoint",
+                        error=one_line(e), checkpoint=latest.name, relaunch=relaunches, of=cfg.cluster.max_relaunches)
             print(f"relaunching from {latest.name} ({relaunches}/{cfg.cluster.max_relaunches}): {one_line(e)}",
                   flush=True)
             kill_run_actors(run_id)

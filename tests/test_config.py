@@ -53,6 +53,7 @@ def test_nested_engine_kwargs_stay_plain_dicts():
     ("learner.betas=0.9", "config key 'learner.betas': needs two values"),
     ("learner.checkpoint_layers=-2", "config key 'learner.checkpoint_layers': must be -1 (every layer) or >= 0"),
     ("cluster.max_relaunches=-1", "config key 'cluster.max_relaunches': must be >= 0"),
+    ("learner.collective_timeout_s=0", "config key 'learner.collective_timeout_s': must be > 0"),
     ("generator.max_turns=0", "config key 'generator.max_turns': must be >= 1"),
     ("generator.max_observation_tokens=2", "config key 'generator.max_observation_tokens': must be >= 8"),
     ("generator.tool_workers=0", "config key 'generator.tool_workers': must be >= 1"),

@@ -37,14 +37,14 @@ class RecordingLog:
         self.events.append(("warning", event))
 
 
-def _learner_generators_coordinator(tmp_path, weight_sync: str, colocated: list[bool]):
+def _learner_generators_coordinator(tmp_path, weight_sync: str, colocated: list[bool], overrides: tuple = ()):
     """A LearnerActor on a fresh tiny model, one GeneratorActor per flag (Ray restarts them) and a
     Coordinator over them (no Redis, no assembler: only its sync and heal paths are called)."""
     from actors.generator.shell import GeneratorActor
     from actors.learner.shell import LearnerActor
     from launch.place import RESTART
 
-    cfg = apply_overrides(tiny(), [])
+    cfg = apply_overrides(tiny(), list(overrides))
     cfg.coordinator.weight_sync = weight_sync
     model_dir = build_tiny(str(tmp_path / "model"), model_cfg=cfg.model, seed=0)
     learner = LearnerActor.options(num_cpus=0).remote(

@@ -10,8 +10,9 @@ Invariants:
   that refused a bucket: it still takes part, reports its error through the store, and raises at
   the end, so the sender never hangs on it; the sender aborts the rest of the sync as soon as it
   sees the report, and every receiver reads that abort before the keys are reused.
-- Every wait is bounded by the rendezvous timeout; ``close()`` from another thread ends a send that
-  waits on a dead receiver within a second (NCCL groups are aborted, not left hanging).
+- Every wait is bounded by the rendezvous timeout (the learner's `learner.collective_timeout_s`, the
+  group's own and its store's; NCCL with async error handling on); ``close()`` from another thread
+  ends a send that waits on a dead receiver within a second (NCCL groups are aborted, not left hanging).
 - ``send`` returns only after every receiver acknowledged the summary; a receiver's version moves
   only when it received the whole sync (weights.base).
 """
@@ -97,6 +98,20 @@ def _is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+def nccl_async_error_handling() -> None:
+    """NCCL's watchdog enforces a group's timeout only with async error handling on: it is set (torch's
+    default mode 3, which ends the process) unless given, and an explicit 0 is overridden, with a warning.
+    Read by each NCCL group as it is created."""
+    import logging
+    import os
+
+    if os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "").strip() == "0":
+        logging.getLogger("arctic_rl.weights").warning(
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING=0 would let a collective on a dead peer hang past its timeout; using 3")
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "3"
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+
+
 def _make_group(store: Any, rank: int, world_size: int, backend: str, timeout: datetime.timedelta,
                 local_host: str) -> Any:
     """A process group of our own; torch.distributed's default group is neither read nor set."""
@@ -111,6 +126,7 @@ def _make_group(store: Any, rank: int, world_size: int, backend: str, timeout: d
     if backend == "nccl":
         if not hasattr(dist, "ProcessGroupNCCL"):
             raise WeightSyncError("weight_sync backend 'nccl' needs a CUDA build of torch; use 'gloo' on CPU")
+        nccl_async_error_handling()
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)

@@ -30,12 +30,15 @@ def _transport(call: WeightsCall) -> Transport:
 
 class SendEnd:
     """A learner rank's end. `export_weights(bucket_mb, device=...)` yields buckets of (name, tensor);
-    `device` returns the rank's device (read when a transport needs it: the learner is built late)."""
+    `device` returns the rank's device (read when a transport needs it: the learner is built late);
+    `timeout_s` bounds every wait of a collective transport on its peers (learner.collective_timeout_s)."""
 
-    def __init__(self, export_weights: Callable[..., Any], rank: int = 0, device: Callable[[], Any] | None = None):
+    def __init__(self, export_weights: Callable[..., Any], rank: int = 0, device: Callable[[], Any] | None = None,
+                 timeout_s: float = 600.0):
         self.export_weights = export_weights
         self.rank = int(rank)
         self._device = device
+        self.timeout_s = float(timeout_s)
         self.halves: dict = {}
 
     @property

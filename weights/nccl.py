@@ -10,7 +10,8 @@ Invariants:
 - Learner rank 0 sends; under ZeRO-3 the other ranks run the export's gathers beside it (``export``).
 - An engine whose weights live in its own workers (vLLM) takes one rank per worker: each worker
   joins as ``first + its tensor-parallel rank`` and takes part in every broadcast.
-- Every wait is bounded: the group's rendezvous timeout, and the engine's worker calls 30 s more.
+- Every wait is bounded: the group's rendezvous timeout (the learner's learner.collective_timeout_s),
+  and the engine's worker calls 30 s more.
 """
 from __future__ import annotations
 
@@ -41,10 +42,10 @@ class BroadcastTransport(Transport):
     per_bucket = False
     blocking_sender_steps = frozenset({"init", "send", "export"})
 
-    def make_sender(self, export_weights, bucket_mb, *, rank=0, device=None):
+    def make_sender(self, export_weights, bucket_mb, *, rank=0, device=None, timeout_s=600.0):
         device = torch.device(device if device is not None else "cpu")
         return BroadcastSender(lambda mb: export_weights(mb, device=device), bucket_mb,
-                               backend="nccl" if device.type == "cuda" else "gloo", device=device)
+                               backend="nccl" if device.type == "cuda" else "gloo", device=device, timeout_s=timeout_s)
 
     def make_receiver(self, load_weights, engine=None):
         return BroadcastReceiver(load_weights)
@@ -107,7 +108,8 @@ class BroadcastTransport(Transport):
                     old.close()
                 except Exception as e:  # noqa: BLE001 - a broken group (a send may still be failing in its thread)
                     log.warning("closing the previous weight-sync group failed: %r", e)
-            sender = self.make_sender(end.export_weights, bucket_mb, rank=end.rank, device=end.device)
+            sender = self.make_sender(end.export_weights, bucket_mb, rank=end.rank, device=end.device,
+                                      timeout_s=end.timeout_s)  # the group's and its store's bound
             end.halves[self.key] = sender
             return sender.listen(world_size)
         if call.op == "export":

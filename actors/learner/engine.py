@@ -2,7 +2,8 @@
 
 Invariants:
 - One engine per rank of the learner's torch.distributed world (a world of one: an in-process
-  HashStore, no socket). DeepSpeed data parallel (ZeRO 0-3) averages gradients over the world.
+  HashStore, no socket). DeepSpeed data parallel (ZeRO 0-3) averages gradients over the world; every
+  group of it is bounded by `learner.collective_timeout_s` (actors/learner/world.py).
 - The accumulation boundary is driven by the caller (`set_gradient_accumulation_boundary`), not
   by DeepSpeed's GAS: gradient_accumulation_steps is 1 and losses arrive already normalised.
 - The lr is scheduled per training step here (LambdaLR on the torch optimizer), saved with the
@@ -36,9 +37,12 @@ log = structlog.get_logger("arctic_rl.learner")
 WORLD_FILE = "learner_world.json"  # beside the DeepSpeed checkpoint: the world size that wrote it
 
 
-def ensure_process_group(device: torch.device) -> None:
-    """DeepSpeed needs a process group; a single process gets a world of one (gloo on CPU)."""
+def ensure_process_group(device: torch.device, timeout_s: float) -> None:
+    """DeepSpeed needs a process group; a single process gets a world of one (gloo on CPU). A group
+    made here (not already by actors/learner/world.py) is bounded by `timeout_s` as well."""
     import torch.distributed as dist
+
+    from actors.learner.world import init_bounded
 
     if dist.is_initialized():
         return
@@ -47,11 +51,11 @@ def ensure_process_group(device: torch.device) -> None:
         # A world of one rendezvous with nobody: an in-process store, so no TCPStore listens on
         # every interface and no MASTER_PORT inherited from a parent process can collide.
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        init_bounded(backend, timeout_s, store=dist.HashStore(), rank=0, world_size=1)
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("LOCAL_RANK", "0")
-    dist.init_process_group(backend)
+    init_bounded(backend, timeout_s)
 
 
 def _skip_cpu_shm_comm_build() -> None:
@@ -127,7 +131,7 @@ class LearnerEngine:
         else:
             log.info("learner.logprob_path", path="liger-fused-linear-ce" if self.use_liger else "torch")
 
-        ensure_process_group(self.device)
+        ensure_process_group(self.device, learner_cfg.collective_timeout_s)
         _skip_cpu_shm_comm_build()
         import torch.distributed as dist
 

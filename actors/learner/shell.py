@@ -52,7 +52,7 @@ class LearnerShell:
         from weights.endpoint import SendEnd
 
         self._weights_out = SendEnd(lambda *a, **kw: self.learner.export_weights(*a, **kw), self.rank,
-                                    device=lambda: self.learner.device)
+                                    device=lambda: self.learner.device, timeout_s=learner_cfg.collective_timeout_s)
         self._taken = None  # (msg_id, batch) read from the stream, trained, not yet acked
 
     def __repr__(self) -> str:  # the Ray dashboard's Repr column: live state
@@ -66,7 +66,7 @@ class LearnerShell:
         """Rank 0 of a world > 1: binds the world's store; returns where the others connect."""
         from actors.learner.world import bind_store
 
-        self._store, host, port = bind_store(self.world_size)
+        self._store, host, port = bind_store(self.world_size, self._args[0].collective_timeout_s)
         return host, port
 
     def join(self, host: str, port: int) -> None:
@@ -76,7 +76,8 @@ class LearnerShell:
 
         device = self._args[0].device
         cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-        init_world(self.rank, self.world_size, "nccl" if cuda else "gloo", store=self._store, host=host, port=port)
+        init_world(self.rank, self.world_size, "nccl" if cuda else "gloo", self._args[0].collective_timeout_s,
+                   store=self._store, host=host, port=port)
         self.learner = Learner(*self._args)
 
     async def connect(self, redis_url: str, run_id: str, reclaim_idle_s: float = 30.0) -> None:
