@@ -263,3 +263,64 @@ def test_a_generator_hung_mid_sync_fails_the_learners_send_within_the_bound_and_
     for g in gens:
         assert ray.get(g.__ray_call__.remote(_engine_mismatches, want)) == []
         assert ray.get(g.health.remote())["version"] == 2
+
+
+# ----------------------------------------------------------------------------- the whole run
+
+
+def _rank_pid(launch, run_dir, rank: int, not_pid: int = 0) -> int:
+    """The pid of learner rank `rank` among the launcher's descendants: the process that holds
+    logs/learner-<rank>.jsonl open (every rank writes its own)."""
+    from bench.chaos import find_pids
+
+    log = str(run_dir / "logs" / f"learner-{rank}.jsonl")
+    deadline = time.monotonic() + GUARD_S
+    while time.monotonic() < deadline:
+        for pid in find_pids(launch.proc.pid, "learner"):
+            with contextlib.suppress(OSError):
+                fds = os.listdir(f"/proc/{pid}/fd")
+                if pid != not_pid and any(os.readlink(f"/proc/{pid}/fd/{fd}") == log for fd in fds):
+                    return pid
+        time.sleep(0.2)
+    raise AssertionError(f"no live learner rank {rank} holds {log}")
+
+
+@pytest.mark.slow  # a whole tiny run (async, 2 learner ranks) and two relaunches
+def test_a_learner_rank_hung_then_killed_mid_run_is_relaunched_each_time(tmp_path):
+    """`tiny` in async mode with learner.num_ranks=2 and learner.collective_timeout_s=30: learner rank 1
+    is SIGSTOPped mid-run (alive and silent: rank 0 waits for it in the step's collectives), and after
+    that relaunch the new rank 1 is SIGKILLed. Each time rank 0's collective fails (by the bound, then
+    at once), the launcher relaunches from the latest checkpoint, and the run ends 0 with nothing lost
+    or trained twice and no process left."""
+    from bench.chaos import Launch, _common, _wait_log, _wait_rows, rows, verify
+
+    # The bound also covers the world's join and model load (the ranks' skew there): 30 s on a busy machine.
+    steps, per_step, bound = 8, 8, 30
+    run_id = "hung-rank"
+    run_dir, log = tmp_path / run_id, tmp_path / "launch.log"
+    launch = Launch(_common(tmp_path, run_id, steps, 25, per_step) + [
+        "data.limit=8", "coordinator.checkpoint_every=2", "cluster.max_relaunches=2", "coordinator.mode=async",
+        "assembler.max_staleness=1", "learner.num_ranks=2", "learner.num_cpus=0.25",
+        f"learner.collective_timeout_s={bound}"], log)
+    stopped = 0
+    try:
+        for i, sig in enumerate((signal.SIGSTOP, signal.SIGKILL)):
+            assert _wait_rows(run_dir, launch, len(rows(run_dir)) + 2, 900), log.read_text()[-3000:]
+            pid = _rank_pid(launch, run_dir, 1, not_pid=stopped)
+            os.kill(pid, sig)
+            stopped = pid if sig == signal.SIGSTOP else stopped
+            assert _wait_log(log, "relaunching from", i + 1, launch, GUARD_S + bound), \
+                f"no relaunch within {GUARD_S + bound:.0f} s of rank 1's {sig.name}: {log.read_text()[-3000:]}"
+        rc = launch.wait(900)
+    finally:
+        if launch.proc.poll() is None:
+            launch.wait(0)
+        with contextlib.suppress(ProcessLookupError):
+            if stopped:
+                os.kill(stopped, signal.SIGKILL)
+    relaunches = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("relaunching from")]
+    assert rc == 0 and len(relaunches) == 2, log.read_text()[-3000:]
+    assert f"Timed out waiting {bound * 1000}ms" in relaunches[0], relaunches  # rank 0's own bound
+    r = verify(run_dir, steps, per_step)
+    assert (r["lost"], r["doubled"], r["bad_rows"]) == (0, 0, 0), r["problems"]
+    assert launch.leftovers() == []
