@@ -81,12 +81,14 @@ def test_run_tree_sums_the_whole_tree_and_sees_every_process(tmp_path):
     assert res.rc == 0 and not res.timed_out
     assert res.peak_rss_bytes > 80 * 1024 * 1024 and res.peak_processes == 2
     assert len({pid for _, pid, _ in res.spawned}) == 2
+    assert len(res.peak_breakdown) == 2 and res.peak_breakdown[0][1] > 80 * 1024 * 1024  # the grandchild, largest first
 
 
 def test_run_tree_ends_the_whole_tree_at_its_timeout(tmp_path):
     parent = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']);"
               " print(p.pid, flush=True); time.sleep(600)")
-    res = run_tree([sys.executable, "-c", parent], log_path=tmp_path / "log", interval_s=0.1, timeout_s=3)
+    # 15 s: the parent must have started its child and printed its pid by then, on a loaded machine too
+    res = run_tree([sys.executable, "-c", parent], log_path=tmp_path / "log", interval_s=0.1, timeout_s=15)
     assert res.timed_out and res.rc != 0
     grandchild = int((tmp_path / "log").read_text().split()[0])
     import psutil

@@ -68,7 +68,8 @@ def settings(steps: int) -> dict:
 
 def tree_fields(t: TreeRun, samples: int) -> dict:
     return {"wall_s": t.wall_s, "rc": t.rc, "peak_rss_gb": t.peak_rss_bytes / 1e9, "peak_processes": t.peak_processes,
-            "max_processes": t.max_processes, "samples_per_s_e2e": samples / t.wall_s if t.wall_s else None}
+            "max_processes": t.max_processes, "samples_per_s_e2e": samples / t.wall_s if t.wall_s else None,
+            "peak_at_s": t.peak_at_s, "peak_breakdown": [(n, round(b / 1e6)) for n, b in t.peak_breakdown]}
 
 
 def check(t: TreeRun, what: str, log_path: Path) -> None:
@@ -230,6 +231,9 @@ def profile_md(row: dict) -> str:
     lines = ["| s after start | gap, s | what | from |", "| ---: | ---: | --- | --- |"]
     lines += [f"| {m['at_s']:.1f} | {m.get('gap_s', 0):.1f} | {m['what']} | {m.get('source', '')} |"
               for m in row.get("startup", [])]
+    if row.get("peak_breakdown"):
+        lines += ["", f"Peak RSS {row['peak_rss_gb']:.2f} GB at {row.get('peak_at_s', 0):.0f} s, by process (MB): "
+                  + ", ".join(f"{n} {mb}" for n, mb in row["peak_breakdown"])]
     ps = row.get("per_step") or {}
     if ps:
         lines += ["", "| per step | median s | total s |", "| --- | ---: | ---: |"]

@@ -7,6 +7,7 @@ Invariants:
   peak is the largest such sum, with the number of processes at that moment. RSS counts pages shared
   between processes (torch's libraries) once per process, so the sum over-counts shared memory; the
   same rule applies to both sides of the bench.
+- At each new peak the per-process RSS is kept (`peak_breakdown`): which processes the peak is made of.
 - The first time each process is seen is recorded (seconds since the start, its name): a timeline of
   what the command started, used by the start-up profile.
 - The child gets its own session; `run_tree` waits at most `timeout_s`, then kills the whole tree
@@ -36,6 +37,7 @@ class TreeRun:
     max_processes: int = 0
     samples: int = 0
     spawned: list[tuple[float, int, str]] = field(default_factory=list)  # (s after start, pid, name)
+    peak_breakdown: list[tuple[str, int]] = field(default_factory=list)  # (name, RSS bytes) at the peak, largest first
     timed_out: bool = False
 
 
@@ -46,24 +48,22 @@ def _tree(root: psutil.Process) -> list[psutil.Process]:
         return []
 
 
-def _rss(procs: list[psutil.Process]) -> tuple[int, int]:
-    total, alive = 0, 0
+def _rss(procs: list[psutil.Process]) -> dict[int, int]:
+    """pid -> RSS of every process of `procs` still alive."""
+    out = {}
     for p in procs:
         try:
-            total += p.memory_info().rss
-            alive += 1
+            out[p.pid] = p.memory_info().rss
         except psutil.Error:
             pass
-    return total, alive
+    return out
 
 
 def _name(p: psutil.Process) -> str:
     try:
-        cmd = p.cmdline()
+        cmd = p.cmdline() or [p.name()]
     except psutil.Error:
         return "?"
-    if not cmd:
-        return p.name() if p.is_running() else "?"
     head = os.path.basename(cmd[0])
     if head.startswith("python") and len(cmd) > 1:
         rest = [c for c in cmd[1:] if not c.startswith("-")][:1] or cmd[1:2]
@@ -110,11 +110,14 @@ def run_tree(cmd: list[str], *, cwd: str | Path | None = None, env: dict | None 
                 if p.pid not in seen:
                     seen.add(p.pid)
                     res.spawned.append((round(now, 2), p.pid, _name(p)))
-            rss, alive = _rss(procs)
+            per = _rss(procs)
+            rss, alive = sum(per.values()), len(per)
             res.samples += 1
             res.max_processes = max(res.max_processes, alive)
             if rss > res.peak_rss_bytes:
                 res.peak_rss_bytes, res.peak_processes, res.peak_at_s = rss, alive, round(now, 1)
+                by_pid = {p.pid: p for p in procs}  # names now: Ray's workers have taken their actor's title
+                res.peak_breakdown = sorted(((_name(by_pid[pid]), b) for pid, b in per.items()), key=lambda x: -x[1])
             stop.wait(interval_s)
 
     sampler = threading.Thread(target=sample, daemon=True)
