@@ -129,9 +129,11 @@ def run_trl(root: Path, venv: Path, samples_per_step: int) -> dict:
     row = {"name": f"TRL {meta['versions']['trl']} GRPOTrainer", "side": "trl", "command": " ".join(cmd),
            **tree_fields(t, STEPS * samples_per_step), **ours.timeline(ends, t.start, samples_per_step),
            "meta": meta, "model": str(out / "final"),
-           "startup": [{"at_s": round(meta[k] - t.start, 2), "what": w} for k, w in (
+           "startup": ours.with_gaps([{"at_s": round(meta[k] - t.start, 2), "what": w, "source": "trl_meta.json"} for k, w in (
                ("t_imported", "torch, transformers, trl imported"), ("t_loaded", "model and tokenizer loaded"),
-               ("t_ready", "GRPOTrainer built"), ("t_trained", "train() returned"), ("t_saved", "model saved"))]}
+               ("t_ready", "GRPOTrainer built"), ("t_trained", "train() returned"), ("t_saved", "model saved"))]
+                                     + ([{"at_s": round(ends[0] - t.start, 2), "what": "first step done",
+                                          "source": "trl_steps.jsonl"}] if ends else []))}
     return row
 
 

@@ -155,7 +155,7 @@ def timeline(step_end: list[float], start: float, samples_per_step: int) -> dict
 
 # Phases before the first step, by the first log line that ends each (actor file, event).
 START_MARKS = [
-    ("launcher", "prompts", "config, data and tokenizer (the task reused)"),
+    ("launcher", "prompts", "config, task, model and tokenizer ready, prompts rendered"),
     ("launcher", "run started", "Redis + Ray start (ray.init)"),
     ("scorer-0", "scorer.started", "first actor up (scorer)"),
     ("learner", "learner.ready", "learner built (DeepSpeed engine, model)"),
@@ -181,6 +181,11 @@ def startup_profile(run_dir: Path, start: float, spawned: list[tuple[float, int,
         hit = next((s for s in spawned or [] if name in s[2]), None)
         if hit is not None:
             marks.append({"at_s": hit[0], "what": label, "source": "process tree"})
+    return with_gaps(marks)
+
+
+def with_gaps(marks: list[dict]) -> list[dict]:
+    """Sorted by time, each with the seconds since the previous mark (`gap_s`)."""
     marks.sort(key=lambda m: m["at_s"])
     prev = 0.0
     for m in marks:
