@@ -37,7 +37,9 @@ import numpy as np
 import structlog
 import torch
 
-from config import AssemblerConfig
+from actors.shell import RESTARTABLE
+from config import AssemblerConfig, RunContext
+from observe.logs import setup_actor_logging
 from policies.episode import episode_metrics
 from policies.grpo import group_advantages
 from policies.overlong import shape
@@ -170,20 +172,15 @@ def step_metrics(groups: list[ScoredGroup], outcomes: dict[str, str]) -> dict[st
 class Assembler:
     """Consumes the scored stream; `collect` turns one step's groups into a TrainBatch."""
 
-    RAY_OPTIONS = {"max_concurrency": 64}  # the coordinator's collect/outcome calls beside the consume loop
+    # The coordinator's collect/outcome calls beside the consume loop; restarted by Ray after a crash
+    # (the memo and the pending-first intake below make a retried call safe).
+    RAY_OPTIONS = {"max_concurrency": 64, **RESTARTABLE}
 
-    def __init__(self, cfg: AssemblerConfig, *, consumer: str = "assembler-0", reclaim_idle_s: float = 30.0,
-                 redis_url: str = "", run_id: str = "", high_water: int = 4096):
+    def __init__(self, cfg: AssemblerConfig, ctx: RunContext | None = None, *, consumer: str = "assembler-0"):
         self.cfg = cfg
-        if redis_url:  # the actor (the plain class in tests is built without one)
-            from observe.logs import setup_actor_logging
-
-            setup_actor_logging(consumer)
-        # Given here (not only to start()) so that an instance Ray restarts after a crash can
-        # connect by itself on its first call.
-        self._start_args = (redis_url, run_id, high_water) if redis_url else None
+        self.ctx = ctx or RunContext()
+        setup_actor_logging(consumer, self.ctx)
         self.consumer = consumer
-        self.reclaim_idle_s = reclaim_idle_s
         self.buffer: dict[str, tuple[str, ScoredGroup]] = {}  # task_id -> (stream id, group)
         self.resolved: dict[str, str] = {}  # task_id -> outcome, for steps already assembled
         self.duplicates = 0
@@ -193,16 +190,19 @@ class Assembler:
         self._task: asyncio.Task | None = None  # the consumer loop (queues.worker.Worker.run)
         self.worker = self.conn = self.scored = self.batches = None
 
-    async def start(self, redis_url: str, run_id: str, high_water: int = 4096) -> None:
+    async def start(self) -> None:
+        """Connects to the run's streams (ctx.redis_url) and starts the consumer loop; every call that
+        needs them starts it too, so an instance Ray restarted after a crash connects on its first call."""
         from queues.streams import RunStreams
         from queues.worker import Worker
 
         if self._task is not None:
             return
-        self._start_args = (redis_url, run_id, high_water)
-        self.conn = await RunStreams.open(redis_url, run_id)
+        if not self.ctx.redis_url:
+            raise RuntimeError("assembler: its RunContext has no redis_url")
+        self.conn = await RunStreams.open(self.ctx.redis_url, self.ctx.run_id)
         self.scored = self.conn.stream("scored", group="assembler")
-        self.batches = self.conn.stream("batches", group="learner", high_water=high_water)
+        self.batches = self.conn.stream("batches", group="learner", high_water=self.ctx.stream_high_water)
         # Each assembled step's result, written before its groups are acked: a collect that Ray
         # retries on a restarted instance returns it instead of waiting for acked groups.
         self.memo = self.conn.hash("assembled")
@@ -213,14 +213,12 @@ class Assembler:
         # The one consumer loop: this consumer's pending groups first (what it held when it died), then
         # new ones. It never acks: collect acks a step's groups once their TrainBatch is published.
         self.worker = Worker(self.scored, self.consumer, self._take, concurrency=64, read_count=64,
-                             reclaim_idle_s=self.reclaim_idle_s, heartbeat=False, on_error="leave", acks="handler")
+                             reclaim_idle_s=self.ctx.reclaim_idle_s, heartbeat=False, on_error="leave", acks="handler")
         self._task = asyncio.create_task(self.worker.run())
 
     async def _ensure_started(self) -> None:
         if self._task is None:
-            if self._start_args is None:
-                raise RuntimeError("assembler: start() was never called")
-            await self.start(*self._start_args)
+            await self.start()
 
     async def _memo_get(self, key: str) -> dict | None:
         raw = await self.memo.get(key)

@@ -12,8 +12,8 @@ Invariants:
 - The scorer never sees the model: it scores the text the generator put in each Sample, or, for a
   multi-turn episode, its final `answer` as is (an empty answer is "no_sql"); an episode group also
   gets `first_query_rewards` (its first query scored as if it were the answer).
-- With a `db_root` (the run's BIRD or synthetic data directory; the actor reads $ARL_DB_ROOT, which
-  the launcher sets), a task whose `db_path` does not resolve to a file under it is never opened: every
+- With a `db_root` (the run's BIRD or synthetic data directory; the actor takes its RunContext's
+  `data_dir`, which the launcher sets), a task whose `db_path` does not resolve to a file under it is never opened: every
   sample gets "bad_db_path" and the group is excluded like a failed gold (a writer to a shared Redis
   cannot make the scorer open an arbitrary SQLite file).
 """
@@ -28,7 +28,9 @@ import time
 import msgspec
 import structlog
 
-from config import ScorerConfig
+from actors.shell import RESTARTABLE
+from config import RunContext, ScorerConfig
+from observe.logs import setup_actor_logging
 from policies.sql_reward import BAD_DB_PATH, GENERATION_ERROR, extract_sql, reward_for, shaped_reward
 from queues.messages import RolloutGroup, SchemaError, ScoredGroup, codec
 from tasks.sandbox import GoldCache, SqlPool, score_group
@@ -181,13 +183,14 @@ class ScorerLoop:
 class ScorerShell:
     """The scorer actor (actors.shell.ray_actor): Scorer + ScorerLoop; `ScorerActor` is its Ray class."""
 
-    def __init__(self, cfg: dict, scorer_id: str = "", reclaim_idle_s: float = 30.0):
-        from observe.logs import setup_actor_logging
+    RAY_OPTIONS = dict(RESTARTABLE)  # a restarted scorer reclaims what it held (same consumer name)
 
-        setup_actor_logging(scorer_id or "scorer")
+    def __init__(self, cfg: ScorerConfig | dict, ctx: RunContext | None = None, *, scorer_id: str = ""):
+        self.ctx = ctx or RunContext()
+        setup_actor_logging(scorer_id or "scorer", self.ctx)
         scorer_cfg = msgspec.convert(cfg, ScorerConfig) if isinstance(cfg, dict) else cfg
-        self.scorer = Scorer(scorer_cfg, scorer_id, db_root=os.environ.get("ARL_DB_ROOT", ""))
-        self.loop = ScorerLoop(self.scorer, consumer=self.scorer.scorer_id, reclaim_idle_s=reclaim_idle_s)
+        self.scorer = Scorer(scorer_cfg, scorer_id, db_root=self.ctx.data_dir)
+        self.loop = ScorerLoop(self.scorer, consumer=self.scorer.scorer_id, reclaim_idle_s=self.ctx.reclaim_idle_s)
         log.info("scorer.started", scorer_id=self.scorer.scorer_id, workers=scorer_cfg.workers,
                  timeout_s=scorer_cfg.timeout_s, pid=os.getpid())
 
@@ -198,12 +201,13 @@ class ScorerShell:
         return (f"ScorerShell({s.scorer_id}: {s.groups} groups, {s.samples} samples scored, "
                 f"{len(loop.inflight)} in flight)")
 
-    async def run(self, redis_url: str, run_id: str, high_water: int = 4096) -> None:
+    async def run(self) -> None:
+        """The consumer loop until stop(), over the run's streams (ctx)."""
         from observe.ray_metrics import export_periodically
 
         exporter = asyncio.create_task(export_periodically(self.scorer.scorer_id or "scorer", self.scorer.stats))
         try:
-            await self.loop.run(redis_url, run_id, high_water)
+            await self.loop.run(self.ctx.redis_url, self.ctx.run_id, self.ctx.stream_high_water)
         finally:
             exporter.cancel()
 

@@ -1,15 +1,23 @@
 """One way to make a Ray actor out of a plain class, used by every actor of a run.
 
-Each actor is a plain class (`Coordinator`, `Assembler`, `ScorerShell`, `GeneratorShell`,
-`LearnerShell`, the preflight `Probe`): importable and testable without Ray. `ray_actor(cls)` turns
-it into Ray's actor class; the launcher adds placement, names and restarts with `.options(...)`.
+Each actor of a run is a plain class (`Coordinator`, `Assembler`, `ScorerShell`, `GeneratorShell`,
+`LearnerShell`), importable and testable without Ray, and constructed one way:
+`cls(section, ctx, **specifics)` -- its config section (the coordinator: the whole RunConfig), the
+run's config.context.RunContext (run id, run dir, Redis URL, logging, stream settings) and what only
+it takes (a model path, its GPU ids, its rank). It sets up its logging from `ctx` in its constructor
+(observe.logs.setup_actor_logging) and reaches Redis through `ctx.redis_url` alone. The launcher
+(launch/place.py) builds every one with `spawn`; `ray_actor(cls)` is Ray's actor class (the
+preflight `Probe` uses it too).
 
 Invariants:
 - Importing this module imports no Ray; `ray_actor` imports it on first use.
 - `ray_actor(cls)` is memoised per class, so every caller gets the same actor class (Ray exports a
   class once per job).
-- What the class itself needs to run correctly (e.g. the generator's `max_concurrency` for its
-  control calls beside its loop) is the class attribute `RAY_OPTIONS`; where it runs is the caller's.
+- What the class itself needs to run correctly is the class attribute `RAY_OPTIONS`: e.g. the
+  generator's `max_concurrency` for its control calls beside its loop, and `RESTARTABLE` for the
+  stages whose state survives a Ray restart (generators, scorers, the assembler: a restarted one takes
+  back its pending messages; the learner and the coordinator are relaunched from a checkpoint
+  instead). Where it runs (name, resources, bundle) is the caller's `.options`.
 - The actor's process title is `ray::<class name>` (what bench/chaos targets).
 - `call(handle, method, ...)` awaits a method alike on a Ray actor handle or on the plain object
   itself, which is how the coordinator's code runs unchanged in tests without Ray.
@@ -20,6 +28,9 @@ import asyncio
 from typing import Any
 
 _ACTORS: dict[type, Any] = {}
+
+# A stage that Ray restarts in place after a crash, retrying the calls in flight on the new instance.
+RESTARTABLE = {"max_restarts": -1, "max_task_retries": -1}
 
 
 def ray_actor(cls: type) -> Any:
@@ -32,6 +43,12 @@ def ray_actor(cls: type) -> Any:
         actor = ray.remote(**options)(cls) if options else ray.remote(cls)
         _ACTORS[cls] = actor
     return actor
+
+
+def spawn(cls: type, section: Any, ctx: Any, *, options: dict[str, Any] | None = None, **specifics) -> Any:
+    """The Ray actor `cls(section, ctx, **specifics)`, with the class's RAY_OPTIONS and the caller's
+    `options` (name, resources, scheduling strategy)."""
+    return ray_actor(cls).options(**(options or {})).remote(section, ctx, **specifics)
 
 
 async def call(handle: Any, method: str, *args, **kwargs) -> Any:

@@ -43,7 +43,7 @@ from actors.coordinator.coordinator import Coordinator  # noqa: E402
 from actors.engines.simulated import SimulatedEngine  # noqa: E402
 from actors.generator.generator import Generator  # noqa: E402
 from weights.wire import SyncSummary  # noqa: E402
-from config import RunConfig, apply_overrides  # noqa: E402
+from config import RunConfig, RunContext, apply_overrides  # noqa: E402
 from queues.messages import RolloutGroup, ScoredGroup, TrainBatch, codec, pack_ids  # noqa: E402
 from queues.redis_server import EmbeddedRedis  # noqa: E402
 from queues.streams import Stream, connect  # noqa: E402
@@ -177,14 +177,14 @@ async def run_mode(name: str, s: Settings, redis_url: str) -> dict:
                              seed=s.seed)
     gen = SimGenerator(engine, cfg.generator, consume_block_ms=20)
     redis = await connect(redis_url)
-    assembler = Assembler(cfg.assembler, consumer="assembler-0")
-    await assembler.start(redis_url, run_id)
+    ctx = RunContext.of(cfg, run_id, tempfile.mkdtemp(prefix="arl-modes-"), redis_url)
+    assembler = Assembler(cfg.assembler, ctx, consumer="assembler-0")
+    await assembler.start()
     learner = SimLearner(redis, run_id, s)
     await learner.batches.ensure_group()
     clock = StepClock()
     items = [Item(prompt_id=f"q{i}", prompt_tokens=pack_ids([1 + i % 50] * s.prompt_tokens)) for i in range(s.prompts * (s.steps + 2))]
-    coord = Coordinator(cfg, run_id, tempfile.mkdtemp(prefix="arl-modes-"), redis_url, items, [],
-                        generators=[gen], learner=learner, assembler=assembler, metrics_logger=clock)
+    coord = Coordinator(cfg, ctx, items, [], generators=[gen], learner=learner, assembler=assembler, metrics_logger=clock)
     coord.save_checkpoint = lambda step: asyncio.sleep(0)  # no learner state to save here
     idle: list[tuple[float, bool]] = []
     tasks = [asyncio.create_task(gen.run(redis_url, run_id, "gen-0")),

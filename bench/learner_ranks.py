@@ -49,13 +49,14 @@ def make_batches(steps: int, groups: int, n: int, budget: int, vocab: int, seed:
 def measure(cfg, model_dir: str, run_dir: str, batches: list, ranks: int, threads: int) -> dict:
     import ray
 
+    from config import RunContext
     from launch.place import create_learner
     from queues.messages import TrainBatch, codec
 
     cfg.learner.num_ranks = ranks
     cfg.learner.num_cpus = float(threads)
     t0 = time.perf_counter()
-    group = create_learner(cfg, model_dir, len(batches), run_dir, f"bench{ranks}x{threads}")
+    group = create_learner(cfg, RunContext.of(cfg, "", run_dir, ""), model_dir, len(batches), f"bench{ranks}x{threads}")
     try:
         step_s = []
         for batch in batches:

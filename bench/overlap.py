@@ -57,7 +57,7 @@ from actors.assembler import Assembler  # noqa: E402
 from actors.engines.simulated import SimulatedEngine  # noqa: E402
 from actors.generator.generator import Generator  # noqa: E402
 from actors.scorer import Scorer, ScorerLoop  # noqa: E402
-from config import AssemblerConfig, GeneratorConfig, ScorerConfig  # noqa: E402
+from config import AssemblerConfig, GeneratorConfig, RunContext, ScorerConfig  # noqa: E402
 from queues.messages import PromptTask, RolloutGroup, codec, pack_ids  # noqa: E402
 from queues.redis_server import EmbeddedRedis  # noqa: E402
 from queues.streams import Stream, connect  # noqa: E402
@@ -203,8 +203,8 @@ async def run_mode(mode: str, redis_url: str, prompts: list[BenchPrompt], settin
     scorer.pool.run_many([(p.db_path, "SELECT 1") for p in prompts[: settings.workers * 4]])
     record_query_seconds(scorer.pool, query_seconds)
     scorer_loop = ScorerLoop(scorer, consumer="scorer-0")
-    assembler = Assembler(AssemblerConfig())
-    await assembler.start(redis_url, run_id)
+    assembler = Assembler(AssemblerConfig(), RunContext(run_id=run_id, redis_url=redis_url))
+    await assembler.start()
     redis = await connect(redis_url)
     prompts_stream = Stream(redis, run_id, "prompts", group="generators")
     rollouts_stream = Stream(redis, run_id, "rollouts", group="scorers")

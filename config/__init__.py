@@ -4,10 +4,13 @@
 - overrides.py: `section.key=value` overrides, typed;
 - validate.py: cross-field rules, every `auto` resolved once;
 - recipes.py: the named recipes (tiny, gpu1_0p6b, bird_1p7b, bird_32b);
-- placement.py: the one pure placement function; memory.py: the per-GPU memory arithmetic.
+- placement.py: the one pure placement function; memory.py: the per-GPU memory arithmetic;
+- layout.py: the run directory's paths; context.py: RunContext, what every actor is built from
+  beside its config section (run id, run dir, Redis URL, logging, stream settings).
 
 Callers import the public names from here: `from config import RunConfig, apply_overrides, ConfigError`.
 """
+from config.context import RunContext
 from config.overrides import apply_overrides
 from config.schema import (AssemblerConfig, ClusterConfig, ConfigError, CoordinatorConfig, DataConfig,
                            GeneratorConfig, LearnerConfig, LoggingConfig, ModelConfig, RunConfig, ScorerConfig)
@@ -15,6 +18,6 @@ from config.validate import (check, check_attention, check_inputs, check_multi_n
                              resolve_correction, to_dict, validate)
 
 __all__ = ["AssemblerConfig", "ClusterConfig", "ConfigError", "CoordinatorConfig", "DataConfig", "GeneratorConfig",
-           "LearnerConfig", "LoggingConfig", "ModelConfig", "RunConfig", "ScorerConfig", "apply_overrides", "check",
+           "LearnerConfig", "LoggingConfig", "ModelConfig", "RunConfig", "RunContext", "ScorerConfig", "apply_overrides", "check",
            "check_attention", "check_inputs", "check_multi_node", "may_be_off_policy", "resolve_correction",
            "to_dict", "validate"]

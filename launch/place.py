@@ -1,10 +1,14 @@
 """Creates the actors of one run, starts their loops and drives the coordinator to the end.
 
-Restart policy: generators, scorers and the assembler are restarted by Ray when they die, and
-their in-flight calls (their stream loops) are retried on the new instance, which first takes
-back the messages it held (same consumer name) — so a death costs time, never data. The
-learner and the coordinator hold training state: they are not restarted in place; a run that
-loses them continues with `coordinator.resume=true` from the last checkpoint.
+Construction: every actor is built one way (actors/shell.py `spawn`): its config section, the run's
+one config.context.RunContext (run id, run dir, Redis URL, logging, stream settings; launch/run.py
+makes it) and its specifics -- here and nowhere else (the learner's ranks too: create_learner).
+
+Restart policy (on the classes, RAY_OPTIONS): generators, scorers and the assembler are restarted by
+Ray when they die, and their in-flight calls (their stream loops) are retried on the new instance,
+which first takes back the messages it held (same consumer name) — so a death costs time, never
+data. The learner and the coordinator hold training state: they are not restarted in place; a run
+that loses them continues with `coordinator.resume=true` from the last checkpoint.
 
 Placement: every actor is created with the Ray options of its slot in
 config.placement.make_placement(cfg) (`actor_options`), the function --dry-run renders and --preflight
@@ -21,28 +25,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.shell import ray_actor
-from config import RunConfig
+from actors.shell import spawn
+from config import RunConfig, RunContext
 from config import layout
 from launch.warm_start import warm_start, will_warm_start
 
-RESTART = dict(max_restarts=-1, max_task_retries=-1)
 
-
-def create_actors(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_path: str, total_steps: int,
-                  names: str = ""):
+def create_actors(cfg: RunConfig, ctx: RunContext, model_path: str, total_steps: int, names: str = ""):
     """The run's actors, named `<names>:learner-<rank>` etc. (names: the run id, or the run id and the
-    relaunch: Ray keeps a dead actor's name while a handle to it lives), each with the Ray options of
+    relaunch: Ray keeps a dead actor's name while a handle to it lives), each built the one way
+    (actors.shell.spawn: its config section, the run's `ctx`, its specifics) with the Ray options of
     its slot in config.placement.make_placement(cfg) -- the placement --dry-run prints and --preflight
     builds. The learner is a LearnerGroup of the placement's world size (learner.num_ranks on CPU).
     Returns (learner, generators, scorers, assembler, placement, groups); the caller removes `groups`."""
-    import ray
+    names = names or ctx.run_id
 
-    names = names or run_id
-
-    from actors.assembler import Assembler
-    from actors.generator.shell import GeneratorActor
-    from actors.scorer import ScorerActor
+    from actors import assembler as assembler_module, scorer as scorer_module
+    from actors.generator import shell as generator_module
     from config.placement import make_placement
 
     placement = make_placement(cfg)
@@ -52,34 +51,34 @@ def create_actors(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, mo
     groups = build_placement_groups(placement, cfg.cluster.placement_timeout_s, name=names)
     try:
         gpu_ids = bundle_gpu_ids(placement, groups, cfg.cluster.placement_timeout_s) if groups else {}
-        hw = cfg.cluster.stream_high_water
-        idle = cfg.cluster.reclaim_idle_s
         ranks = placement.by_role("learner")
-        learner = create_learner(cfg, model_path, total_steps, str(run_dir), names,
+        learner = create_learner(cfg, ctx, model_path, total_steps, names,
                                  rank_options=[actor_options(r, groups) for r in ranks])
-        generators = [GeneratorActor.options(name=f"{names}:{slot.name}", **actor_options(slot, groups), **RESTART).remote(
-            cfg.generator, cfg.model, model_path, reclaim_idle_s=idle, stream_high_water=hw,
-            colocated=cfg.coordinator.mode == "colocated", device_ids=device_ids(slot, gpu_ids))
-            for slot in placement.by_role("generator")]
-        scorers = [ScorerActor.options(name=f"{names}:{slot.name}", **actor_options(slot, groups), **RESTART).remote(
-            cfg.scorer, slot.name, reclaim_idle_s=idle) for slot in placement.by_role("scorer")]
-        assembler = ray_actor(Assembler).options(name=f"{names}:assembler",
-                                                  **actor_options(placement.actor("assembler"), groups),
-                                                  **RESTART).remote(
-            cfg.assembler, consumer="assembler-0", reclaim_idle_s=idle, redis_url=redis_url, run_id=run_id, high_water=hw)
+        colocated = cfg.coordinator.mode == "colocated"
+        generators = [spawn(generator_module.GeneratorShell, cfg.generator, ctx,
+                            options=dict(name=f"{names}:{slot.name}", **actor_options(slot, groups)),
+                            model_cfg=cfg.model, model_path=model_path, generator_id=f"generator-{i}",
+                            colocated=colocated, device_ids=device_ids(slot, gpu_ids))
+                      for i, slot in enumerate(placement.by_role("generator"))]
+        scorers = [spawn(scorer_module.ScorerShell, cfg.scorer, ctx,
+                         options=dict(name=f"{names}:{slot.name}", **actor_options(slot, groups)), scorer_id=slot.name)
+                   for slot in placement.by_role("scorer")]
+        assembler = spawn(assembler_module.Assembler, cfg.assembler, ctx,
+                          options=dict(name=f"{names}:assembler", **actor_options(placement.actor("assembler"), groups)),
+                          consumer="assembler-0")
     except BaseException:
         remove_groups(groups)
         raise
     return learner, generators, scorers, assembler, placement, groups
 
 
-def create_learner(cfg: RunConfig, model_path: str, total_steps: int, run_dir: str, names: str,
+def create_learner(cfg: RunConfig, ctx: RunContext, model_path: str, total_steps: int, names: str,
                    rank_options: list[dict] | None = None, timeout_s: float | None = None):
     """The learner's `cfg.learner.num_ranks` rank actors (`<names>:learner-<r>`), handed to a LearnerGroup
     that joins them into one world. `rank_options[r]`: rank r's Ray `.options()` from its placement slot
     (num_gpus, num_cpus, scheduling_strategy); None: num_cpus=cfg.learner.num_cpus each, no GPU."""
+    from actors.learner import shell as learner_module
     from actors.learner.group import JOIN_TIMEOUT_S, LearnerGroup
-    from actors.learner.shell import LearnerShell
 
     n = int(cfg.learner.num_ranks)
     if n < 1:
@@ -90,9 +89,10 @@ def create_learner(cfg: RunConfig, model_path: str, total_steps: int, run_dir: s
     for r in range(n):
         opts: dict[str, Any] = dict(name=f"{names}:learner-{r}", num_cpus=cfg.learner.num_cpus, num_gpus=0)
         opts.update(rank_options[r] if rank_options is not None else {})
-        ranks.append(ray_actor(LearnerShell).options(**opts).remote(
-            cfg.learner, cfg.model, model_path, total_steps, cfg.assembler.micro_batch_tokens,
-            temperature=cfg.generator.temperature, run_dir=str(run_dir), rank=r, world_size=n))
+        ranks.append(spawn(learner_module.LearnerShell, cfg.learner, ctx, options=opts, model_cfg=cfg.model,
+                           model_path=model_path, total_steps=total_steps,
+                           micro_batch_tokens=cfg.assembler.micro_batch_tokens,
+                           temperature=cfg.generator.temperature, rank=r, world_size=n))
     try:
         return LearnerGroup.joined(ranks, cfg.learner.zero_stage, JOIN_TIMEOUT_S if timeout_s is None else timeout_s)
     except BaseException:
@@ -100,20 +100,20 @@ def create_learner(cfg: RunConfig, model_path: str, total_steps: int, run_dir: s
         raise
 
 
-def place_and_run(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_path: str,
-                  train_items: list, eval_items: list, log, names: str = "") -> dict[str, Any]:
-    names = names or run_id
+def place_and_run(cfg: RunConfig, ctx: RunContext, model_path: str, train_items: list, eval_items: list, log,
+                  names: str = "") -> dict[str, Any]:
+    names = names or ctx.run_id
     learner, generators, scorers, assembler, placement, groups = create_actors(
-        cfg, run_id, run_dir, redis_url, model_path, cfg.coordinator.steps, names)
+        cfg, ctx, model_path, cfg.coordinator.steps, names)
     try:
-        return _drive(cfg, run_id, run_dir, redis_url, model_path, train_items, eval_items, log, names,
+        return _drive(cfg, ctx, model_path, train_items, eval_items, log, names,
                       (learner, generators, scorers, assembler), placement, groups)
     finally:
         remove_groups(groups)  # a relaunch places its own; removing a group also ends the actors in it
 
 
-def _drive(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_path: str, train_items: list,
-           eval_items: list, log, names: str, actors: tuple, placement, groups: list) -> dict[str, Any]:
+def _drive(cfg: RunConfig, ctx: RunContext, model_path: str, train_items: list, eval_items: list, log, names: str,
+           actors: tuple, placement, groups: list) -> dict[str, Any]:
     import asyncio
 
     import ray
@@ -121,25 +121,23 @@ def _drive(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_pat
     from actors.coordinator.coordinator import Coordinator
 
     learner, generators, scorers, assembler = actors
-    hw = cfg.cluster.stream_high_water
     loops: list = []
     coordinator = None
     try:
-        loops += [g.run.remote(redis_url, run_id, f"generator-{i}") for i, g in enumerate(generators)]
-        loops += [s.run.remote(redis_url, run_id, hw) for s in scorers]
-        ray.get(assembler.start.remote(redis_url, run_id, hw))
-        asyncio.run(learner.connect(redis_url, run_id))
-        coordinator = ray_actor(Coordinator).options(name=f"{names}:coordinator",
-                                                      **actor_options(placement.actor("coordinator"), groups)).remote(
-            cfg, run_id, str(run_dir), redis_url, train_items, eval_items, generators=generators, learner=learner,
-            assembler=assembler, metrics_logger=None)
-        return _drive_coordinator(cfg, run_id, run_dir, model_path, train_items, log, learner, generators,
+        loops += [a.run.remote() for a in [*generators, *scorers]]
+        ray.get(assembler.start.remote())
+        asyncio.run(learner.connect())
+        coordinator = spawn(Coordinator, cfg, ctx,
+                            options=dict(name=f"{names}:coordinator", **actor_options(placement.actor("coordinator"), groups)),
+                            train_items=train_items, eval_items=eval_items, generators=generators, learner=learner,
+                            assembler=assembler)
+        return _drive_coordinator(cfg, Path(ctx.run_dir), model_path, train_items, log, learner, generators,
                                   coordinator, loops)
     finally:
         stop_actors(names, generators, scorers, assembler, learner, coordinator, loops, log)
 
 
-def _drive_coordinator(cfg: RunConfig, run_id: str, run_dir: Path, model_path: str, train_items: list, log, learner,
+def _drive_coordinator(cfg: RunConfig, run_dir: Path, model_path: str, train_items: list, log, learner,
                        generators: list, coordinator, loops: list) -> dict[str, Any]:
     """Warm start (or resume), the initial sync, then the coordinator's loop to its end, watching the
     stream loops (one that ends on its own is an error)."""
@@ -148,9 +146,7 @@ def _drive_coordinator(cfg: RunConfig, run_id: str, run_dir: Path, model_path: s
     from actors.coordinator.coordinator import Coordinator
     from launch.progress import Progress
 
-    ray.get(coordinator.attach_metrics.remote(str(run_dir), cfg.logging.console, {
-        "enabled": cfg.logging.wandb, "project": cfg.logging.wandb_project, "entity": cfg.logging.wandb_entity,
-        "name": run_id}))
+    ray.get(coordinator.attach_metrics.remote())
     latest = Coordinator.latest_checkpoint(run_dir) if cfg.coordinator.resume else None
     if latest is not None:
         log.info("resuming", checkpoint=str(latest))

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from config import ConfigError, RunConfig, check_inputs
+from config import ConfigError, RunConfig, RunContext, check_inputs
 from config import layout
 from queues.errors import one_line  # noqa: F401 - launch.run.one_line for the CLI and preflight
 from tasks.bird import BirdDataError
@@ -295,7 +295,6 @@ def run(cfg: RunConfig) -> int:
     fresh = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.run_id = run_id
-    os.environ["ARL_RUN_DIR"] = str(run_dir)  # forwarded to every actor (ARL_*): their logs/<actor>.jsonl
     log = setup_logging(run_dir, "launcher", level=cfg.logging.level, console=cfg.logging.console)
     from queues.streams import redact
 
@@ -309,9 +308,11 @@ def run(cfg: RunConfig) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
         model_path, bird_dir = prepare_model_and_data(cfg, run_dir, log)
-        os.environ["ARL_DB_ROOT"] = str(Path(bird_dir).resolve())  # scorers open databases under it only
         train_items, eval_items = load_prompts(cfg, model_path, bird_dir, log)
         redis_url, redis_server = start_redis(cfg, run_dir, log)
+        # What every actor is built from beside its config section (launch/place.py); the scorers open
+        # databases under data_dir only.
+        ctx = RunContext.of(cfg, run_id, run_dir, redis_url, data_dir=Path(bird_dir).resolve())
         if cfg.coordinator.resume:
             purged = purge_run_keys(redis_url, run_id)
             if purged:
@@ -321,7 +322,7 @@ def run(cfg: RunConfig) -> int:
 
         log.info("run started", run_id=run_id, run_dir=str(run_dir), redis=redis_server.socket_path if redis_server else
                  "external", dashboard=_dashboard_url())
-        result = run_with_relaunches(cfg, run_id, run_dir, redis_url, model_path, train_items, eval_items, log)
+        result = run_with_relaunches(cfg, ctx, model_path, train_items, eval_items, log)
         log.info("run finished", **{k: v for k, v in result.items() if k != "outcomes"}, **{
             f"prompts_{k}": v for k, v in result["outcomes"].items()})
         print(summary(run_dir), flush=True)
@@ -373,21 +374,22 @@ def actor_died(e: BaseException) -> bool:
     return False
 
 
-def run_with_relaunches(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: str, model_path: str,
-                        train_items: list, eval_items: list, log) -> dict[str, Any]:
+def run_with_relaunches(cfg: RunConfig, ctx: RunContext, model_path: str, train_items: list, eval_items: list,
+                        log) -> dict[str, Any]:
     """place_and_run, started again from the latest checkpoint when the learner or the
     coordinator dies (actors Ray does not restart) or a learner collective fails on a dead or hung
     peer (learner.collective_timeout_s), up to cluster.max_relaunches times."""
     from actors.coordinator.coordinator import Coordinator
     from launch.place import kill_run_actors, place_and_run
 
+    run_id = ctx.run_id
     relaunches = 0
     while True:
         try:
             names = run_id if relaunches == 0 else f"{run_id}:relaunch{relaunches}"
-            return place_and_run(cfg, run_id, run_dir, redis_url, model_path, train_items, eval_items, log, names)
+            return place_and_run(cfg, ctx, model_path, train_items, eval_items, log, names)
         except Exception as e:  # noqa: BLE001 - re-raised unless it is an actor death we can resume from
-            latest = Coordinator.latest_checkpoint(run_dir)
+            latest = Coordinator.latest_checkpoint(Path(ctx.run_dir))
             if not actor_died(e) or latest is None or relaunches >= cfg.cluster.max_relaunches:
                 raise
             relaunches += 1
@@ -396,7 +398,7 @@ def run_with_relaunches(cfg: RunConfig, run_id: str, run_dir: Path, redis_url: s
             print(f"relaunching from {latest.name} ({relaunches}/{cfg.cluster.max_relaunches}): {one_line(e)}",
                   flush=True)
             kill_run_actors(run_id)
-            purge_run_keys(redis_url, run_id)
+            purge_run_keys(ctx.redis_url, run_id)
             cfg.coordinator.resume = True
 
 

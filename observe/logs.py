@@ -1,8 +1,8 @@
 """structlog set up once per process: JSON lines to the run directory, key=value on the console.
 
-Every actor calls `setup_logging(run_dir, name)` (or `setup_actor_logging(name)`, which reads the run
-directory from $ARL_RUN_DIR, set by the launcher and forwarded to every actor) on start, so its lines
-land in <run_dir>/logs/<name>.jsonl and the console shows the readable form.
+The launcher calls `setup_logging(run_dir, "launcher")`; every actor calls
+`setup_actor_logging(name, ctx)` in its constructor with the run's config.context.RunContext, so its
+lines land in <run_dir>/logs/<name>.jsonl at the run's level (its console is Ray's worker log, so off).
 """
 from __future__ import annotations
 
@@ -64,13 +64,15 @@ def get_logger(name: str) -> structlog.BoundLogger:
     return structlog.get_logger(actor=name)
 
 
-def setup_actor_logging(name: str) -> structlog.BoundLogger:
-    """An actor's JSON log at $ARL_RUN_DIR/logs/<name>.jsonl (console off: Ray's worker logs hold
-    stderr); without $ARL_RUN_DIR (tests, plain classes) a logger that writes nowhere new."""
-    run_dir = os.environ.get("ARL_RUN_DIR")
+def setup_actor_logging(name: str, ctx=None) -> structlog.BoundLogger:
+    """An actor's JSON log at <ctx.run_dir>/logs/<name>.jsonl at ctx.log_level, console off (Ray's worker
+    logs hold stderr). Without a run directory (a plain class in a test) a logger that writes nowhere
+    new. `ctx` None (launch.serve, outside a run): the directory in $ARL_RUN_DIR, if any."""
+    run_dir = ctx.run_dir if ctx is not None else os.environ.get("ARL_RUN_DIR", "")
     if not run_dir:
         return get_logger(name)
-    return setup_logging(run_dir, name.replace(":", "_").replace("/", "_"), console=False)
+    level = ctx.log_level if ctx is not None else "info"
+    return setup_logging(run_dir, name.replace(":", "_").replace("/", "_"), level=level, console=False)
 
 
 def quiet_cpu_host() -> None:

@@ -3,7 +3,7 @@ import asyncio
 
 from actors.assembler import (FAILED, FILTERED, GOLD_FAILED, STALE, TRAINED, Assembler, admit, build_batch,
                               staleness_metrics)
-from config import AssemblerConfig
+from config import AssemblerConfig, RunContext
 from queues.messages import (PromptTask, RolloutGroup, Sample, ScoredGroup, TrainBatch, codec, pack_floats,
                              pack_ids)
 from queues.streams import Stream, connect
@@ -63,8 +63,8 @@ async def test_collect_acks_only_after_the_batch_and_ignores_redelivery(redis_ur
     redis = await connect(redis_url)
     scored_stream = Stream(redis, "r", "scored", group="assembler")
     await scored_stream.ensure_group()
-    asm = Assembler(AssemblerConfig(), reclaim_idle_s=0.2)
-    await asm.start(redis_url, "r")
+    asm = Assembler(AssemblerConfig(), RunContext(run_id="r", redis_url=redis_url, reclaim_idle_s=0.2))
+    await asm.start()
     enc = codec(ScoredGroup).encode
     for tid, rewards in [("0:0:0", [1.0, 0.0]), ("0:1:0", [0.0, 0.0])]:
         await scored_stream.publish(enc(scored(tid, rewards)))
@@ -93,8 +93,8 @@ async def test_forget_before_prunes_train_and_eval_state(redis_url):
     redis = await connect(redis_url)
     scored_stream = Stream(redis, "f", "scored", group="assembler")
     await scored_stream.ensure_group()
-    asm = Assembler(AssemblerConfig())
-    await asm.start(redis_url, "f")
+    asm = Assembler(AssemblerConfig(), RunContext(run_id="f", redis_url=redis_url))
+    await asm.start()
     enc = codec(ScoredGroup).encode
     for tid in ("0:0:0", "eval:0:g0", "3:0:0", "eval:3:g0"):
         await scored_stream.publish(enc(scored(tid, [1.0, 0.0])))

@@ -5,7 +5,7 @@ import sys
 import msgspec
 import pytest
 
-from config import ConfigError, RunConfig, apply_overrides, check_inputs
+from config import ConfigError, RunConfig, RunContext, apply_overrides, check_inputs
 from config.recipes import RECIPES, get_recipe
 
 
@@ -184,7 +184,8 @@ def test_validation_resolves_every_auto_and_the_saved_config_loads_back_the_same
     assert apply_overrides(get_recipe("bird_1p7b"), []).learner.num_ranks == 8  # colocated: every GPU a rank
     assert apply_overrides(get_recipe("tiny"), []).coordinator.weight_sync == "object_store"
     with pytest.raises(ValueError, match="validated config"):
-        Coordinator(raw, "r", "/tmp/arl-unused", "redis://unused", [], [], generators=[], learner=None, assembler=None)
+        Coordinator(raw, RunContext(run_id="r", run_dir="/tmp/arl-unused", redis_url="redis://unused"), [], [],
+                    generators=[], learner=None, assembler=None)
 
 
 def test_a_seed_override_seeds_the_data_and_the_sampling_unless_they_are_given():

@@ -7,7 +7,7 @@ import pytest
 
 from actors.assembler import FAILED, TRAINED, Assembler
 from actors.coordinator.coordinator import Coordinator
-from config import AssemblerConfig, apply_overrides
+from config import AssemblerConfig, RunContext, apply_overrides
 from config.recipes import get_recipe
 from queues.messages import Event, SchemaError, ScoredGroup, codec
 from queues.streams import RunStreams
@@ -16,7 +16,7 @@ from tests.test_assembler import scored
 
 
 async def test_the_coordinator_s_events_consumer_records_acks_and_surfaces_its_failure(redis_url, tmp_path):
-    coord = Coordinator(apply_overrides(get_recipe("tiny"), []), "ev", str(tmp_path), redis_url, [], [],
+    coord = Coordinator(apply_overrides(get_recipe("tiny"), []), RunContext(run_id="ev", redis_url=redis_url), [], [],
                         generators=[], learner=None, assembler=None)
     await coord.connect()
     assert isinstance(coord._events_worker, Worker)
@@ -47,8 +47,8 @@ async def test_the_assembler_acks_and_counts_an_undecodable_group_and_keeps_cons
     producer = await RunStreams.open(redis_url, "u")
     stream = producer.stream("scored", group="assembler")
     await stream.ensure_group()
-    asm = Assembler(AssemblerConfig())
-    await asm.start(redis_url, "u")
+    asm = Assembler(AssemblerConfig(), RunContext(run_id="u", redis_url=redis_url))
+    await asm.start()
     await stream.publish(b"garbage")
     await stream.publish(codec(ScoredGroup).encode(scored("0:0:0", [1.0, 0.0])))
     result = await asm.collect(0, ["0:0:0", "0:1:0"], version=0, timeout_s=2.0)

@@ -60,7 +60,7 @@ _TRAIN_THEN_DIE = """
 import asyncio, os, signal, sys
 from actors.coordinator.coordinator import Coordinator
 from actors.learner.shell import LearnerShell
-from config import apply_overrides
+from config import RunContext, apply_overrides
 from config.recipes import tiny
 from tasks.tiny_model import build_tiny
 
@@ -69,8 +69,9 @@ cfg.coordinator.keep_checkpoints = 2
 cfg.coordinator.keep_exports = 3
 run_dir = sys.argv[1]
 model_dir = build_tiny(run_dir + "/model", model_cfg=cfg.model, seed=0)
-learner = LearnerShell(cfg.learner, cfg.model, model_dir, 10, cfg.assembler.micro_batch_tokens)
-coord = Coordinator(cfg, "exp", run_dir, "", [], [], generators=[], learner=learner, assembler=None)
+learner = LearnerShell(cfg.learner, model_cfg=cfg.model, model_path=model_dir, total_steps=10,
+                       micro_batch_tokens=cfg.assembler.micro_batch_tokens)
+coord = Coordinator(cfg, RunContext(run_id="exp", run_dir=run_dir), [], [], generators=[], learner=learner, assembler=None)
 for step in range(5):
     learner.sft_step([([5, 6, 7, 8, 9, 10], [11, 12, 13])], 1e-2)
     coord.version = step + 1
@@ -108,8 +109,10 @@ def test_checkpoints_export_prune_then_kill_and_resume(tmp_path):
     assert (export / "tokenizer.json").is_file() and (export / "generation_config.json").is_file()
 
     cfg = apply_overrides(tiny(), [])
-    fresh = LearnerShell(cfg.learner, cfg.model, str(run_dir / "model"), 10, cfg.assembler.micro_batch_tokens)
-    resumed = Coordinator(cfg, "exp", str(run_dir), "", [], [], generators=[], learner=fresh, assembler=None)
+    fresh = LearnerShell(cfg.learner, model_cfg=cfg.model, model_path=str(run_dir / "model"), total_steps=10,
+                         micro_batch_tokens=cfg.assembler.micro_batch_tokens)
+    resumed = Coordinator(cfg, RunContext(run_id="exp", run_dir=str(run_dir)), [], [], generators=[], learner=fresh,
+                          assembler=None)
 
     async def no_generators_to_sync(version):  # no generators here (and no Ray for the object store)
         return 0.0

@@ -442,12 +442,14 @@ async def test_a_batch_delivered_while_waiting_but_never_seen_is_found_in_pendin
     import asyncio
 
     from actors.learner.shell import LearnerShell
+    from config import RunContext
     from queues.messages import codec
     from queues.streams import Stream, connect
 
     shell = LearnerShell.__new__(LearnerShell)  # the stream side only: no model is built
     shell.trained_steps = set()
-    await shell.connect(redis_url, "lost")
+    shell.ctx = RunContext(run_id="lost", redis_url=redis_url)
+    await shell.connect()
     real_consume, lost = shell.batches.consume, []
 
     async def consume_losing_the_first_reply(*args, **kwargs):

@@ -94,6 +94,7 @@ def ranks_vs_one(model_dir, tmp_path_factory):
     import asyncio
 
     from actors.learner.learner import Learner
+    from config import RunContext
     from launch.place import create_learner
     from queues.messages import TrainBatch, codec
     from queues.redis_server import EmbeddedRedis
@@ -115,9 +116,9 @@ def ranks_vs_one(model_dir, tmp_path_factory):
             m1 = one.train_step(batch)
             one.export_hf(str(root / f"one{stage}"))
             del one
-            group = create_learner(cfg, model_dir, 10, str(root), f"z{stage}")
+            group = create_learner(cfg, RunContext.of(cfg, f"z{stage}", root, redis.url), model_dir, 10, f"z{stage}")
             try:
-                asyncio.run(group.connect(redis.url, f"z{stage}"))
+                asyncio.run(group.connect())
                 asyncio.run(publish(redis.url, f"z{stage}"))
                 m2 = asyncio.run(group.train_from_stream(0, timeout_s=120))
                 asyncio.run(group.export_hf(str(root / f"two{stage}")))

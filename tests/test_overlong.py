@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from actors.assembler import FILTERED, TRAINED, Assembler, admit, apply_overlong, build_batch
-from config import AssemblerConfig, ConfigError
+from config import AssemblerConfig, ConfigError, RunContext
 from config.validate import validate
 from policies.grpo import group_advantages
 from policies.overlong import shape, soft_penalty
@@ -89,8 +89,9 @@ async def test_collect_reports_overlong_counts_and_scored_rewards(redis_url):
     redis = await connect(redis_url)
     stream = Stream(redis, "ol", "scored", group="assembler")
     await stream.ensure_group()
-    asm = Assembler(AssemblerConfig(overlong="soft_penalty", max_tokens=8, overlong_buffer=4))
-    await asm.start(redis_url, "ol")
+    asm = Assembler(AssemblerConfig(overlong="soft_penalty", max_tokens=8, overlong_buffer=4),
+                    RunContext(run_id="ol", redis_url=redis_url))
+    await asm.start()
     g = _group([3, 8], [1.0, 1.0], [False, True])
     await stream.publish(codec(ScoredGroup).encode(with_task_id(g, "0:0:0")))
     result = await asm.collect(0, ["0:0:0"], version=0, timeout_s=5.0)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from actors.shell import RESTARTABLE
 from config.placement import make_placement
 from launch.preflight import PreflightFailed, run_probes, simulated_cluster
 from launch.probe import Probe
@@ -100,17 +101,15 @@ def test_launcher_builds_the_plan_s_placement_fake_gpu_actors_stand_in(cluster_3
     from launch.place import create_actors, group_nodes, remove_groups
     from launch.plan import make_plan
 
-    for module, name in ((actors.generator.shell, "GeneratorActor"), (actors.learner.shell, "LearnerActor"),
-                         (actors.scorer, "ScorerActor")):
-        monkeypatch.setattr(module, name, ray.remote(_StandIn))
-    monkeypatch.setattr(actors.learner.shell, "LearnerShell", _StandIn)  # the launcher creates the ranks
-    monkeypatch.setattr(actors.assembler, "Assembler", _StandIn)
-    from config import apply_overrides
+    for module, name in ((actors.generator.shell, "GeneratorShell"), (actors.learner.shell, "LearnerShell"),
+                         (actors.scorer, "ScorerShell"), (actors.assembler, "Assembler")):
+        monkeypatch.setattr(module, name, _StandIn)  # the launcher builds each with actors.shell.spawn
+    from config import RunContext, apply_overrides
 
     cfg = apply_overrides(get_recipe("bird_1p7b"), [])  # validated: learner.num_ranks is the placement's
     plan = make_plan(cfg)  # what --dry-run prints
     learner, generators, scorers, assembler, placement, groups = create_actors(
-        cfg, "launch-test", tmp_path, "", "/no/model", 1, names="launch-test")
+        cfg, RunContext(run_id="launch-test", run_dir=str(tmp_path)), "/no/model", 1, names="launch-test")
     try:
         assert placement.to_dict() == plan.placement.to_dict()
         node = group_nodes(groups)[0]
@@ -147,6 +146,12 @@ class _Looping(_StandIn):
         return None
 
 
+class _LoopingStage(_Looping):
+    """The generators', scorers' and assembler's stand-in: restartable by Ray, as their classes are."""
+
+    RAY_OPTIONS = dict(RESTARTABLE)
+
+
 def _place_looping(monkeypatch, tmp_path, name: str):
     import ray
 
@@ -156,15 +161,15 @@ def _place_looping(monkeypatch, tmp_path, name: str):
     import actors.scorer
     from launch.place import create_actors
 
-    for module, attr in ((actors.generator.shell, "GeneratorActor"), (actors.learner.shell, "LearnerActor"),
-                         (actors.scorer, "ScorerActor")):
-        monkeypatch.setattr(module, attr, ray.remote(_Looping))
-    monkeypatch.setattr(actors.learner.shell, "LearnerShell", _Looping)  # the launcher creates the ranks
-    monkeypatch.setattr(actors.assembler, "Assembler", _Looping)
-    from config import apply_overrides
+    for module, attr, cls in ((actors.generator.shell, "GeneratorShell", _LoopingStage),
+                              (actors.learner.shell, "LearnerShell", _Looping), (actors.scorer, "ScorerShell", _LoopingStage),
+                              (actors.assembler, "Assembler", _LoopingStage)):
+        monkeypatch.setattr(module, attr, cls)  # the launcher builds each with actors.shell.spawn
+    from config import RunContext, apply_overrides
 
     learner, generators, scorers, assembler, _, groups = create_actors(
-        apply_overrides(get_recipe("gpu1_0p6b"), []), name, tmp_path, "", "/no/model", 1, names=name)
+        apply_overrides(get_recipe("gpu1_0p6b"), []), RunContext(run_id=name, run_dir=str(tmp_path)), "/no/model", 1,
+        names=name)
     loops = [a.run.remote() for a in [*generators, *scorers]]
     ray.get([a.report.remote() for a in [*generators, *scorers, assembler, *learner.ranks]], timeout=120)
     return learner, generators, scorers, assembler, groups, loops

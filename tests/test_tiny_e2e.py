@@ -59,7 +59,7 @@ def test_tiny_run_accounts_for_every_prompt(climb):
     for r in steps:
         assert r["prompts"] == sum(r.get(f"prompts_{k}", 0) for k in OUTCOMES) == 16, r
     assert (run_dir / "checkpoints" / "latest").exists()
-    # Every actor writes its structlog JSON under logs/ (the launcher sets ARL_RUN_DIR for them).
+    # Every actor writes its structlog JSON under logs/ (its RunContext names the run directory).
     events = {name: [json.loads(line)["event"] for line in (run_dir / "logs" / f"{name}.jsonl").read_text().splitlines()]
               for name in ("scorer-0", "assembler-0", "coordinator", "generator-0")}
     assert "scorer.started" in events["scorer-0"] and "generator.started" in events["generator-0"]

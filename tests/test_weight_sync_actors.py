@@ -9,7 +9,7 @@ import time
 import torch
 
 from actors.coordinator.coordinator import Coordinator
-from config import apply_overrides
+from config import RunContext, apply_overrides
 from config.recipes import tiny
 from tasks.tiny_model import build_tiny
 from weights.strategy import get_transport
@@ -38,21 +38,22 @@ class RecordingLog:
 
 
 def _learner_generators_coordinator(tmp_path, weight_sync: str, colocated: list[bool], overrides: tuple = ()):
-    """A LearnerActor on a fresh tiny model, one GeneratorActor per flag (Ray restarts them) and a
-    Coordinator over them (no Redis, no assembler: only its sync and heal paths are called)."""
-    from actors.generator.shell import GeneratorActor
-    from actors.learner.shell import LearnerActor
-    from launch.place import RESTART
+    """A LearnerActor on a fresh tiny model, one GeneratorActor per flag (Ray restarts them: their
+    class's RAY_OPTIONS) and a Coordinator over them (no Redis, no assembler: only its sync and heal
+    paths are called), built as the launcher builds them (actors.shell.spawn)."""
+    from actors.generator.shell import GeneratorShell
+    from actors.learner.shell import LearnerShell
+    from actors.shell import spawn
 
     cfg = apply_overrides(tiny(), list(overrides))
     cfg.coordinator.weight_sync = weight_sync
     model_dir = build_tiny(str(tmp_path / "model"), model_cfg=cfg.model, seed=0)
-    learner = LearnerActor.options(num_cpus=0).remote(
-        cfg.learner, cfg.model, model_dir, 10, cfg.assembler.micro_batch_tokens)
-    gens = [GeneratorActor.options(num_cpus=0, **RESTART).remote(cfg.generator, cfg.model, model_dir, colocated=flag)
-            for flag in colocated]
-    coord = Coordinator(cfg, "wsa", str(tmp_path), "", [], [], generators=gens, learner=learner, assembler=None,
-                        log=RecordingLog())
+    learner = spawn(LearnerShell, cfg.learner, RunContext(), options={"num_cpus": 0}, model_cfg=cfg.model,
+                    model_path=model_dir, total_steps=10, micro_batch_tokens=cfg.assembler.micro_batch_tokens)
+    gens = [spawn(GeneratorShell, cfg.generator, RunContext(), options={"num_cpus": 0}, model_cfg=cfg.model,
+                  model_path=model_dir, colocated=flag) for flag in colocated]
+    coord = Coordinator(cfg, RunContext(run_id="wsa", run_dir=str(tmp_path)), [], [], generators=gens, learner=learner,
+                        assembler=None, log=RecordingLog())
     return learner, gens, coord
 
 

@@ -23,7 +23,9 @@ Invariants:
   (a mid-run checkpoint is the exception: the engines generate the next step while the learner saves).
 
 The weight-sync handshake lives in actors/coordinator/sync.py and checkpoints in
-actors/coordinator/checkpoint.py (mixins of Coordinator, with their own invariants).
+actors/coordinator/checkpoint.py (mixins of Coordinator, with their own invariants). Built like every
+actor (actors/shell.py): `Coordinator(cfg, ctx, train_items, eval_items, generators=..., learner=...,
+assembler=...)`; its "generated" events are read by the one consumer loop (queues.worker.Worker).
 """
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ from actors.coordinator.checkpoint import Checkpointing, count_outcomes
 from actors.coordinator.cursor import DataCursor
 from actors.coordinator.sync import WeightSyncHandshake
 from actors.shell import call
-from config import RunConfig
+from config import RunConfig, RunContext
+from observe.logs import setup_actor_logging
 from observe.ray_metrics import export as export_ray_metrics
 from queues.messages import EVAL_PREFIX, Event, PromptTask, codec, eval_task_id, task_step, train_task_id
 
@@ -47,16 +50,21 @@ from queues.messages import EVAL_PREFIX, Event, PromptTask, codec, eval_task_id,
 class Coordinator(WeightSyncHandshake, Checkpointing):
     """The step loop (this module's docstring); the weight-sync handshake and checkpoints are mixins."""
 
-    RAY_OPTIONS = {"max_concurrency": 8}  # the launcher's calls (attach_metrics, stats, stop) beside run()
+    # The launcher's calls (attach_metrics, stats, stop) beside run(). Not restarted by Ray: it holds the
+    # run's state, and a run that loses it is relaunched from its latest checkpoint.
+    RAY_OPTIONS = {"max_concurrency": 8}
 
-    def __init__(self, cfg: RunConfig, run_id: str, run_dir: str, redis_url: str, train_items: list, eval_items: list,
+    def __init__(self, cfg: RunConfig, ctx: RunContext, train_items: list, eval_items: list,
                  *, generators: list, learner: Any, assembler: Any, metrics_logger=None, log=None):
         if cfg.coordinator.weight_sync == "auto":
             raise ValueError("Coordinator needs a validated config (config.validate resolves coordinator.weight_sync)")
-        self.cfg, self.run_id, self.run_dir, self.redis_url = cfg, run_id, Path(run_dir), redis_url
+        self.cfg, self.ctx = cfg, ctx
+        self.run_id, self.run_dir = ctx.run_id, Path(ctx.run_dir)
         self.train_items, self.eval_items = train_items, eval_items
         self.generators, self.learner, self.assembler = generators, learner, assembler
-        self.metrics_logger, self.log = metrics_logger, log
+        # Its JSON log (logs/coordinator.jsonl) when the run has a directory; `log` stands in (tests).
+        self.metrics_logger = metrics_logger
+        self.log = log if log is not None else setup_actor_logging("coordinator", ctx) if ctx.run_dir else None
         self.step = 0
         self.version = 0
         self.cursor = DataCursor(len(train_items), cfg.data.shuffle_seed)
@@ -74,7 +82,7 @@ class Coordinator(WeightSyncHandshake, Checkpointing):
         from queues.streams import RunStreams
         from queues.worker import Worker
 
-        self.conn = await RunStreams.open(self.redis_url, self.run_id)
+        self.conn = await RunStreams.open(self.ctx.redis_url, self.run_id)
         hw = self.cfg.cluster.stream_high_water
         self.prompts = self.conn.stream("prompts", group="generators", high_water=hw)
         self.events = self.conn.stream("events", group="coordinator", high_water=0)
@@ -273,14 +281,14 @@ class Coordinator(WeightSyncHandshake, Checkpointing):
         m.update(await self.queue_depths())
         return m
 
-    def attach_metrics(self, run_dir: str, console: bool, wandb_cfg: dict) -> None:
-        """Inside the actor: its own JSON log and the run's metrics.jsonl."""
-        from observe.logs import setup_logging
+    def attach_metrics(self) -> None:
+        """Inside the actor: the run's metrics.jsonl (and W&B when logging.wandb is on)."""
         from observe.metrics import MetricsLogger
 
-        self.log = setup_logging(run_dir, "coordinator", console=False)
-        self.metrics_logger = MetricsLogger(run_dir, console=console, wandb_cfg=wandb_cfg,
-                                            run_config=msgspec.to_builtins(self.cfg))
+        lc = self.cfg.logging
+        self.metrics_logger = MetricsLogger(str(self.run_dir), console=lc.console, run_config=msgspec.to_builtins(self.cfg),
+                                            wandb_cfg={"enabled": lc.wandb, "project": lc.wandb_project,
+                                                       "entity": lc.wandb_entity, "name": self.run_id})
 
     # -- the loop ----------------------------------------------------------------------------
 

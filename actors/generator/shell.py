@@ -1,5 +1,6 @@
 """GeneratorShell: the thin Ray shell (an async actor; `GeneratorActor` is its Ray class) over one
-actors.generator.generator.Generator.
+actors.generator.generator.Generator, built like every actor (actors/shell.py): its config section,
+the run's RunContext (Redis URL, stream settings, logging) and its own model, id and GPU ids.
 
 Invariants:
 - It takes the node-local GPU ids of its engine's bundles (`device_ids`, from the placement) and
@@ -19,6 +20,9 @@ from typing import Any
 import structlog
 
 from actors.generator.generator import Generator
+from actors.shell import RESTARTABLE
+from config import RunContext
+from observe.logs import setup_actor_logging
 
 log = structlog.get_logger("arctic_rl.generator")
 
@@ -26,13 +30,18 @@ log = structlog.get_logger("arctic_rl.generator")
 class GeneratorShell:
     """Async Ray actor over one Generator; run() loops while control calls are served."""
 
-    RAY_OPTIONS = {"max_concurrency": 256}  # control calls (sleep, sync, ...) beside the run() loop
+    # Control calls (sleep, sync, ...) beside the run() loop; restarted by Ray after a crash (it then
+    # serves nothing until synced, and its run() retried takes back the tasks it held).
+    RAY_OPTIONS = {"max_concurrency": 256, **RESTARTABLE}
 
-    def __init__(self, generator_cfg: Any, model_cfg: Any, model_path: str, *, reclaim_idle_s: float = 30.0,
-                 stream_high_water: int = 4096, colocated: bool = False, device_ids: list[int] | None = None):
+    def __init__(self, generator_cfg: Any, ctx: RunContext | None = None, *, model_cfg: Any, model_path: str,
+                 generator_id: str = "generator-0", colocated: bool = False, device_ids: list[int] | None = None):
         from actors.engines.base import DeferredEngine, set_visible_devices
         from actors.engines.registry import make_engine
 
+        self.ctx = ctx or RunContext()
+        self.generator_id = generator_id
+        setup_actor_logging(generator_id, self.ctx)
         if device_ids is not None:
             set_visible_devices(device_ids, generator_cfg)
 
@@ -49,7 +58,8 @@ class GeneratorShell:
             engine = make_engine(generator_cfg, model_cfg, model_path)
         if not colocated and getattr(generator_cfg, "partial_rollouts", False) and hasattr(engine, "enable_partial"):
             engine.enable_partial()  # vLLM: streaming per-sample requests it can interrupt and resubmit
-        self.gen = Generator(engine, generator_cfg, reclaim_idle_s=reclaim_idle_s, stream_high_water=stream_high_water)
+        self.gen = Generator(engine, generator_cfg, reclaim_idle_s=self.ctx.reclaim_idle_s,
+                             stream_high_water=self.ctx.stream_high_water)
         self.needs_weights = self.reconstructed
         self._weights_ready = asyncio.Event()
         if not self.needs_weights:
@@ -71,17 +81,15 @@ class GeneratorShell:
                 f"{int(st['generator_inflight_prompts'])} in flight, {int(st['generator_groups_published'])} groups "
                 f"published{', paused' if st['generator_paused'] else ''})")
 
-    async def run(self, redis_url: str, run_id: str, generator_id: str) -> None:
-        from observe.logs import setup_actor_logging
-
-        setup_actor_logging(generator_id)
-        log.info("generator.started", generator_id=generator_id, pid=__import__("os").getpid())
-        await self._weights_ready.wait()  # a restarted generator waits for the current weights
+    async def run(self) -> None:
+        """The consumer loop until stop(), over the run's streams (ctx)."""
         from observe.ray_metrics import export_periodically
 
-        exporter = asyncio.create_task(export_periodically(generator_id, self.gen.stats))
+        log.info("generator.started", generator_id=self.generator_id, pid=__import__("os").getpid())
+        await self._weights_ready.wait()  # a restarted generator waits for the current weights
+        exporter = asyncio.create_task(export_periodically(self.generator_id, self.gen.stats))
         try:
-            await self.gen.run(redis_url, run_id, generator_id)
+            await self.gen.run(self.ctx.redis_url, self.ctx.run_id, self.generator_id)
         finally:
             exporter.cancel()
 

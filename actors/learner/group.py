@@ -91,8 +91,9 @@ class LearnerGroup:
 
     # ------------------------------------------------------------------ what the coordinator calls
 
-    async def connect(self, redis_url: str, run_id: str) -> None:
-        await self._rank0("connect", redis_url, run_id)
+    async def connect(self) -> None:
+        """Rank 0 connects to the run's batches stream (its RunContext's Redis URL)."""
+        await self._rank0("connect")
 
     async def train_from_stream(self, step: int, timeout_s: float = 600.0) -> dict:
         """Trains every rank on the batch for `step` (read by rank 0); rank 0 acks it afterwards."""

@@ -1,5 +1,7 @@
 """The learner's Ray shell: one rank actor (`LearnerActor`), the thin layer the coordinator and the
-LearnerGroup call; all training behaviour lives in actors/learner/learner.py.
+LearnerGroup call; all training behaviour lives in actors/learner/learner.py. Built like every actor
+(actors/shell.py): `LearnerShell(cfg.learner, ctx, model_cfg=..., rank=..., world_size=...)`, each rank
+by the launcher (launch/place.py create_learner).
 
 Invariants:
 - Rank 0 alone reads the `batches` stream (consumer "learner-0", the one consumer loop in pull mode:
@@ -20,6 +22,8 @@ import structlog
 import torch
 
 from actors.learner.learner import Learner
+from config import RunContext
+from observe.logs import setup_actor_logging
 from queues.messages import TrainBatch
 
 log = structlog.get_logger("arctic_rl.learner")
@@ -34,15 +38,11 @@ class LearnerShell:
 
     RAY_OPTIONS = {"max_concurrency": 4}  # weight-sync and stats calls beside a training step
 
-    def __init__(self, learner_cfg, model_cfg, model_path: str, total_steps: int, micro_batch_tokens: int,
-                 temperature: float = 1.0, run_dir: str = "", rank: int = 0, world_size: int = 1):
-        import torch
-
-        from observe.logs import setup_logging
-
+    def __init__(self, learner_cfg, ctx: RunContext | None = None, *, model_cfg, model_path: str, total_steps: int,
+                 micro_batch_tokens: int, temperature: float = 1.0, rank: int = 0, world_size: int = 1):
         torch.set_num_threads(max(1, int(learner_cfg.num_cpus)))
-        if run_dir:
-            setup_logging(run_dir, "learner" if world_size == 1 else f"learner-{rank}", console=False)
+        self.ctx = ctx or RunContext()
+        setup_actor_logging("learner" if world_size == 1 else f"learner-{rank}", self.ctx)
         self.rank, self.world_size = int(rank), int(world_size)
         self._args = (learner_cfg, model_cfg, model_path, total_steps, micro_batch_tokens, temperature)
         self._store = None
@@ -80,21 +80,28 @@ class LearnerShell:
                    store=self._store, host=host, port=port)
         self.learner = Learner(*self._args)
 
-    async def connect(self, redis_url: str, run_id: str, reclaim_idle_s: float = 30.0) -> None:
-        """Rank 0: the batches stream, read by the one consumer loop in pull mode (queues.worker.Worker.take)."""
+    async def connect(self) -> None:
+        """Rank 0: the run's batches stream (ctx), read by the one consumer loop in pull mode
+        (queues.worker.Worker.take). The first `_take` connects by itself if this was not called."""
         from queues.streams import RunStreams
         from queues.worker import Worker
 
-        self.conn = await RunStreams.open(redis_url, run_id)
+        if getattr(self, "batch_worker", None) is not None:
+            return
+        if not self.ctx.redis_url:
+            raise RuntimeError("learner: its RunContext has no redis_url")
+        self.conn = await RunStreams.open(self.ctx.redis_url, self.ctx.run_id)
         self.batches = self.conn.stream("batches", group="learner")
         await self.batches.ensure_group()
-        self.batch_worker = Worker(self.batches, "learner-0", reclaim_idle_s=reclaim_idle_s, block_ms=500, read_count=4)
+        self.batch_worker = Worker(self.batches, "learner-0", reclaim_idle_s=self.ctx.reclaim_idle_s, block_ms=500,
+                                   read_count=4)
 
     async def _take(self, step: int, timeout_s: float) -> tuple[str, TrainBatch, bytes]:
         """The batch for `step` from the stream; acks (and skips) batches of steps already trained and
         leaves a later step's batch pending for its turn."""
         from queues.messages import codec
 
+        await self.connect()
         decode = codec(TrainBatch).decode
 
         async def pick(msg_id: str, data: bytes) -> tuple[TrainBatch, bytes] | None:
