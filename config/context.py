@@ -8,7 +8,8 @@ learner rank. So the Redis URL, the run's directory (its logs) and the stream se
 
 Invariants:
 - Frozen, plain values only (strings and numbers): it pickles to any Ray actor as is, and an actor
-  that Ray restarts is rebuilt from the same context.
+  that Ray restarts is rebuilt from the same context. Its repr leaves the Redis URL out (a password
+  in REDIS_URL never reaches a log through it).
 - A leaf like the rest of config/: it imports nothing of ours but config's schema, and no Ray.
 - An empty field means "none here": no `redis_url`, no Redis (a plain class in a test that needs none);
   no `run_dir`, no log file (observe.logs.setup_actor_logging then writes nowhere new); no
@@ -16,7 +17,7 @@ Invariants:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from config.schema import RunConfig
@@ -26,7 +27,7 @@ from config.schema import RunConfig
 class RunContext:
     run_id: str = ""
     run_dir: str = ""  # config.layout's root: logs/<actor>.jsonl, checkpoints, exports
-    redis_url: str = ""  # every stream of the run (queues.streams.RunStreams.open)
+    redis_url: str = field(default="", repr=False)  # every stream of the run; may hold a password: never in repr
     log_level: str = "info"  # logging.level
     stream_high_water: int = 4096  # cluster.stream_high_water: a producer waits above it
     reclaim_idle_s: float = 30.0  # cluster.reclaim_idle_s: the one consumer loop's reclaim bound

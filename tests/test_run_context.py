@@ -38,6 +38,8 @@ def test_the_context_of_a_run_carries_its_settings_is_frozen_and_pickles():
     with pytest.raises(dataclasses.FrozenInstanceError):
         ctx.redis_url = "redis://elsewhere"
     assert RunContext() == RunContext(run_id="", run_dir="", redis_url="")  # "none here": a plain test's
+    secret = RunContext(run_id="r", redis_url="redis://:hunter2@h:6379/0")
+    assert "hunter2" not in repr(secret) and "run_id='r'" in repr(secret)  # a logged context leaks no password
 
 
 def test_every_actor_is_built_from_its_section_and_the_context_with_its_ray_options_on_the_class():

@@ -97,10 +97,12 @@ class Coordinator(WeightSyncHandshake, Checkpointing):
 
     async def disconnect(self) -> None:
         """Stops the events consumer (within its read bound) and closes the run's connection."""
-        self._events_worker.stop()
-        await asyncio.wait([self._events_task], timeout=5.0)
-        self._events_task.cancel()
-        await self.conn.close()
+        if getattr(self, "_events_task", None) is not None:
+            self._events_worker.stop()
+            await asyncio.wait([self._events_task], timeout=5.0)
+            self._events_task.cancel()
+        if getattr(self, "conn", None) is not None:
+            await self.conn.close()
 
     async def _on_event(self, entry_id: str, data: bytes) -> None:
         ev = codec(Event).decode(data)
