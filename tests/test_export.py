@@ -92,7 +92,7 @@ def test_checkpoints_export_prune_then_kill_and_resume(tmp_path):
 
     from actors.coordinator.coordinator import Coordinator
     from actors.learner.shell import LearnerShell
-    from config import apply_overrides
+    from config import RunContext, apply_overrides
     from config.recipes import tiny
 
     run_dir = tmp_path / "run"
