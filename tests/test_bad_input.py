@@ -117,6 +117,8 @@ def test_cli_bad_input_is_one_line_and_exit_2(case, overrides, env, mutate, expe
     assert proc.returncode == 2, f"{case}: exit {proc.returncode}\n{out}\n{err}"
     assert len(lines) == 1 and lines[0].startswith("error: "), f"{case}: expected one error line, got:\n{out}{err}"
     assert expect in lines[0], f"{case}: {lines[0]!r} does not mention {expect!r}"
+    if "REDIS_URL" in env:  # a Redis that cannot be used names the setting to fix
+        assert lines[0].startswith("error: REDIS_URL: "), lines[0]
     assert "not-the-password" not in out + err
     left = [p.name for p in (tmp_path / "runs").glob("tiny-*")] if (tmp_path / "runs").exists() else []
     assert left == [], f"{case}: a failed launch left {left} behind"

@@ -331,10 +331,13 @@ def test_page_in_headless_chromium_answers_a_typed_question(service, tmp_path):
                         await cdp("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
                     await until("document.getElementById('status').textContent === 'done'", "an answer")
                     sql = await js("document.getElementById('sql').textContent")
+                    # the result table's header is the columns (the page's own function, on a known result)
+                    header = await js("Array.from(table([[1, null]], ['n', 'city']).querySelectorAll('th'))"
+                                      ".map((th) => th.textContent).join('|')")
                     shot = await cdp("Page.captureScreenshot", format="png")
-                    return sql, base64.b64decode(shot["data"])
+                    return sql, header, base64.b64decode(shot["data"])
 
-        sql, png = asyncio.run(drive())
+        sql, header, png = asyncio.run(drive())
     finally:
         proc.terminate()
         try:
@@ -342,6 +345,7 @@ def test_page_in_headless_chromium_answers_a_typed_question(service, tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
     assert sql.strip().upper().startswith("SELECT"), sql
+    assert header == "n|city"
     path = tmp_path / "page.png"
     path.write_bytes(png)
     img = image.open(path).convert("L")
