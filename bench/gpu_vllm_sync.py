@@ -15,16 +15,12 @@ vLLM worker's allocator). After cycle 1 the engine's new samples are also scored
 weights (a transformers model of the checkpoint): the KL to the old weights must be far above the
 KL to the learner's new weights.
 
-SYNC=compare (the issue-23 measurement): ours (weights.ipc) and vLLM's own weight transfer (weights.vllm_native,
-coordinator.weight_sync_impl=vllm) in ONE process on the same engine and learner, CYCLES cycles each, back to
-back; prints one table: seconds per sync (mean, max), device memory after the phase's generates (growth over its
-cycles) and the mismatch KL (k3) of the samples each impl's syncs produced. Needs vLLM (stops in one line
-without it, as on CPU). With a vLLM impl the engine is built with `weight_transfer_config` (backend ipc) and
-so sets VLLM_ALLOW_INSECURE_SERIALIZATION=1 itself (vLLM 0.26's IPC handles hold torch types); ours does
-not need it.
+The transport is the one factory's (weights.strategy): CUDA IPC on a GPU, the object store on CPU.
+vLLM's own weight transfer (vllm.distributed.weight_transfer) was measured against it here (SYNC=compare,
+issue 23: 3.1x slower per sync at equal memory on the H200, docs/PERFORMANCE.md) and removed.
 
-Env: ENGINE (vllm|transformers), MODEL (0.6B|smoke), CYCLES (5), SYNC (ipc|vllm|compare|bytes: the plain-bytes path), LR (1e-3: one Adam step visibly
-moves a random model), BUCKET_MB (512), GPU_UTIL (0.3), OUT (results dir; $OUT on the device).
+Env: ENGINE (vllm|transformers), MODEL (0.6B|smoke), CYCLES (5), SYNC (ipc|bytes: the plain-bytes path), LR (1e-3:
+one Adam step visibly moves a random model), BUCKET_MB (512), GPU_UTIL (0.3), OUT (results dir; $OUT on the device).
 Results: $OUT/gpu_vllm_sync.json and a table on stdout.
 """
 from __future__ import annotations
@@ -45,8 +41,8 @@ CYCLES = int(os.environ.get("CYCLES", "5"))
 LR = float(os.environ.get("LR", "1e-3"))
 BUCKET_MB = float(os.environ.get("BUCKET_MB", "512"))
 GPU_UTIL = float(os.environ.get("GPU_UTIL", "0.3"))
-SYNC = os.environ.get("SYNC", "ipc")  # ipc: ours; vllm: vLLM's own; compare: both; bytes: engine.load_weights
-IMPLS = {"ipc": ["ours"], "vllm": ["vllm"], "compare": ["ours", "vllm"], "bytes": ["bytes"]}
+SYNC = os.environ.get("SYNC", "ipc")  # ipc: the colocated transport (weights.ipc); bytes: engine.load_weights
+SYNCS = ("ipc", "bytes")
 OUT = os.environ.get("OUT") or "/tmp/arl_gpu_vllm_sync"
 PROMPT_LEN, MAX_TOKENS, N = (200, 64, 8) if MODEL != "smoke" else (20, 8, 4)
 
@@ -143,21 +139,21 @@ async def generate(engine, prompt, version: int):
     return comps, lps, unpack_ids(gg.samples[0].tokens).tolist()
 
 
-async def sync(engine, learner, version: int, cuda: bool, impl: str = "ours") -> dict:
-    """The colocated transport from the one factory: CUDA IPC on a GPU, ours or vLLM's own (`impl`);
-    the object store's plain path on CPU."""
+async def sync(engine, learner, version: int, cuda: bool) -> dict:
+    """The colocated transport from the one factory: CUDA IPC on a GPU, the object store's plain path on CPU
+    (SYNC=bytes: the tensors through engine.load_weights)."""
     from weights import SyncSummary
     from weights.strategy import get_transport
 
     in_workers = engine if engine.loads_in_workers else None
-    if impl == "bytes":  # what VLLM.md's 2.6 GiB came from: bytes through the RPC, staged on the worker's GPU
+    if SYNC == "bytes":  # what VLLM.md's 2.6 GiB came from: bytes through the RPC, staged on the worker's GPU
         n = nbytes = buckets = 0
         for bucket in learner.export_weights(BUCKET_MB, device="cpu"):
             await engine.load_weights(bucket, version)
             n, buckets = n + len(bucket), buckets + 1
             nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
         return dict(buckets=buckets, tensors=n, gib=round(nbytes / 2**30, 3), path="bytes")
-    transport = get_transport("cuda_ipc" if cuda else "object_store", impl, ENGINE)
+    transport = get_transport("cuda_ipc" if cuda else "object_store")
     if cuda:
         sender = transport.make_sender(learner.export_weights, BUCKET_MB, device="cuda")
     else:
@@ -172,8 +168,7 @@ async def sync(engine, learner, version: int, cuda: bool, impl: str = "ours") ->
         if isinstance(message, SyncSummary):
             sender.abort()
             assert got == version, (got, version)
-            return dict(buckets=message.num_buckets, tensors=message.num_tensors, gib=round(message.nbytes / 2**30, 3),
-                        impl=impl)
+            return dict(buckets=message.num_buckets, tensors=message.num_tensors, gib=round(message.nbytes / 2**30, 3))
 
 
 async def main() -> dict:
@@ -181,16 +176,14 @@ async def main() -> dict:
     from bench.h200 import build_model_dir, make_learner
     from config import GeneratorConfig, ModelConfig
 
-    if SYNC not in IMPLS:
-        raise SystemExit(f"SYNC={SYNC!r}: one of {sorted(IMPLS)}")
+    if SYNC not in SYNCS:
+        raise SystemExit(f"SYNC={SYNC!r}: one of {list(SYNCS)}")
     if ENGINE == "vllm":
         try:
             import vllm  # noqa: F401
         except ImportError as e:
             raise SystemExit(f"bench.gpu_vllm_sync: vLLM is not importable here ({e}); SYNC={SYNC} needs it "
                              "(the H200 with shared/gpu/vllm-site.sh)") from None
-    elif SYNC in ("vllm", "compare"):
-        raise SystemExit(f"SYNC={SYNC} needs ENGINE=vllm (vLLM's own weight transfer)")
     cuda = torch.cuda.is_available()
     # This process also trains (CUDA in use here): vLLM's engine-core process must be spawned, not forked.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -198,9 +191,7 @@ async def main() -> dict:
     res = dict(engine=ENGINE, model=MODEL, sync=SYNC, cycles=CYCLES, lr=LR, bucket_mb=BUCKET_MB, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     mdir = build_model_dir(MODEL)  # on a GPU run it first in its own process: vLLM wants CUDA untouched here
     gcfg = GeneratorConfig(engine=ENGINE, gpu_memory_utilization=GPU_UTIL, max_tokens=MAX_TOKENS, enforce_eager=True,
-                           n_samples=N, temperature=1.0, device="cuda" if cuda else "cpu",
-                           # what config validation adds for weight_sync_impl=vllm; harmless for ours
-                           engine_kwargs={"weight_transfer_config": {"backend": "ipc"}} if "vllm" in IMPLS[SYNC] else {})
+                           n_samples=N, temperature=1.0, device="cuda" if cuda else "cpu")
     mcfg = ModelConfig(path=mdir, dtype="bfloat16" if cuda else "float32")
     t = time.perf_counter()
     from actors.engines.registry import make_engine
@@ -232,9 +223,7 @@ async def main() -> dict:
     first = await probe.edge(0, "generate", t, tokens=sum(map(len, comps)))
     res["greedy_v0"] = greedy[:16]
     kls = []
-    schedule = [impl for impl in IMPLS[SYNC] for _ in range(CYCLES)]  # cycle c's sync runs schedule[c - 1]
-    synced_by = {0: "initial"}
-    for cycle, impl in enumerate(schedule, start=1):
+    for cycle in range(1, CYCLES + 1):
         t = time.perf_counter()
         await engine.sleep(2)
         await probe.edge(cycle, "engine_sleep2", t)
@@ -244,7 +233,7 @@ async def main() -> dict:
         t = time.perf_counter()
         learner_lps = learner.logprobs([(prompt, c) for c in comps])
         kl = kl_stats(lps, learner_lps)
-        kls.append(dict(version=cycle - 1, impl=synced_by[cycle - 1], **kl))
+        kls.append(dict(version=cycle - 1, **kl))
         await probe.edge(cycle, "learner_logprobs", t, mismatch=kl)
         t = time.perf_counter()
         metrics = learner.train_step(make_batch(prompt, comps, lps, cycle - 1, 16384))
@@ -257,8 +246,7 @@ async def main() -> dict:
         await engine.wake(["weights"])
         await probe.edge(cycle, "engine_wake_weights", t)
         t = time.perf_counter()
-        summary = await sync(engine, learner, cycle, cuda, impl)
-        synced_by[cycle] = impl
+        summary = await sync(engine, learner, cycle, cuda)
         await probe.edge(cycle, "weight_sync", t, **summary)
         t = time.perf_counter()
         await engine.wake(["kv_cache"])
@@ -269,7 +257,7 @@ async def main() -> dict:
         old_greedy = greedy
         t = time.perf_counter()
         comps, lps, greedy = await generate(engine, prompt, cycle)
-        await probe.edge(cycle, "generate", t, tokens=sum(map(len, comps)), greedy_changed=greedy != old_greedy, impl=impl)
+        await probe.edge(cycle, "generate", t, tokens=sum(map(len, comps)), greedy_changed=greedy != old_greedy)
         if cycle == 1:  # the new samples under the initial weights: far from them, close to the learner's
             from transformers import AutoModelForCausalLM
 
@@ -280,8 +268,7 @@ async def main() -> dict:
             if cuda:
                 torch.cuda.empty_cache()
     learner.wake()
-    kls.append(dict(version=len(schedule), impl=synced_by[len(schedule)],
-                    **kl_stats(lps, learner.logprobs([(prompt, c) for c in comps]))))
+    kls.append(dict(version=CYCLES, **kl_stats(lps, learner.logprobs([(prompt, c) for c in comps]))))
     res["mismatch_by_version"] = kls
     res["edges"] = probe.rows
     used = [r["device_used_gib"] for r in probe.rows if r["edge"] == "generate" and "device_used_gib" in r]
@@ -289,37 +276,10 @@ async def main() -> dict:
         res["device_used_after_generate_gib"] = used
         res["growth_vs_first_cycle_gib"] = round(max(used[1:]) - used[1], 3) if len(used) > 1 else 0.0
         res["growth_vs_startup_gib"] = round(max(used) - first["device_used_gib"], 3)
-    res["compare"] = compare(res, schedule)
     await engine.close()
     with open(os.path.join(OUT, f"gpu_vllm_sync_{SYNC}.json"), "w") as f:
         json.dump(res, f, indent=1)
     return res
-
-
-def compare(res: dict, schedule: list[str]) -> list[dict]:
-    """Per impl: seconds per sync, device memory after its phase's generates, mismatch KL of its syncs' samples."""
-    out = []
-    for impl in dict.fromkeys(schedule):
-        syncs = [r for r in res["edges"] if r["edge"] == "weight_sync" and r.get("impl") == impl]
-        gens = [r for r in res["edges"] if r["edge"] == "generate" and r.get("impl") == impl]
-        used = [r["device_used_gib"] for r in gens if "device_used_gib" in r]
-        k3 = [k["kl_k3"] for k in res["mismatch_by_version"] if k["impl"] == impl]
-        secs = [r["s"] for r in syncs]
-        out.append(dict(impl=impl, syncs=len(secs), s_mean=round(sum(secs) / max(len(secs), 1), 4),
-                        s_max=max(secs, default=None), device_gib_last=used[-1] if used else None,
-                        growth_gib=round(used[-1] - used[0], 3) if used else None,
-                        worker_reserved_gib_last=gens[-1].get("worker_reserved_gib") if gens else None,
-                        kl_k3_max=max(k3, default=None), kl_k3=k3))
-    return out
-
-
-def compare_table(rows: list[dict]) -> str:
-    lines = ["| impl | syncs | s per sync (mean / max) | device GiB after last generate | growth over its cycles GiB "
-             "| worker reserved GiB | mismatch KL k3 (max; per sync) |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        lines.append(f"| {r['impl']} | {r['syncs']} | {r['s_mean']} / {r['s_max']} | {r['device_gib_last']} | "
-                     f"{r['growth_gib']} | {r['worker_reserved_gib_last']} | {r['kl_k3_max']}; {r['kl_k3']} |")
-    return "\n".join(lines)
 
 
 def table(res: dict) -> str:
@@ -337,5 +297,4 @@ def table(res: dict) -> str:
 if __name__ == "__main__":
     result = asyncio.run(main())
     log(table(result))
-    log(compare_table(result["compare"]))
     log(json.dumps({k: v for k, v in result.items() if k != "edges"}, indent=1))

@@ -217,11 +217,6 @@ class CoordinatorConfig(_Section):
     # auto: what the placement implies (config/placement.py): cuda_ipc colocated on GPUs, nccl async on
     # GPUs, object_store on CPU; an explicit transport the placement cannot carry is a ConfigError
     weight_sync: Literal["auto", "object_store", "cuda_ipc", "nccl"] = "auto"
-    # whose code moves the weights: ours (weights/) or vLLM's own weight-transfer engine (weights/vllm_native.py:
-    # generator.engine=vllm with cuda_ipc only; validation adds its weight_transfer_config to the engine args).
-    # "vllm" is experimental: on vLLM 0.26.0 it did not complete on the H200 (docs/PERFORMANCE.md, 2026-12-04:
-    # our handles were the wrong shape, fixed since; not yet re-measured)
-    weight_sync_impl: Literal["ours", "vllm"] = "ours"
     weight_bucket_mb: int = 512
     checkpoint_every: int = 0  # 0: never (a final checkpoint is still written)
     keep_checkpoints: int = 3  # DeepSpeed checkpoints kept (newest, and always the latest; 0: all)

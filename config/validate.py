@@ -58,7 +58,6 @@ def validate(data: dict) -> RunConfig:
     if cfg.assembler.overlong_buffer == 0:
         cfg.assembler.overlong_buffer = max(1, cfg.generator.max_tokens // 4)
     resolve_placement(cfg)
-    check_weight_sync_impl(cfg)
     return cfg
 
 
@@ -82,22 +81,6 @@ def resolve_placement(cfg: RunConfig) -> None:
         return
     cfg.coordinator.weight_sync = placement.weight_sync
     cfg.learner.num_ranks = placement.learner_world_size
-
-
-def check_weight_sync_impl(cfg: RunConfig) -> None:
-    """vLLM's own weight transfer needs the vLLM engine and a transport it has (CUDA IPC, colocated); the
-    engine is then built with its weight_transfer_config (written into generator.engine_kwargs here)."""
-    if cfg.coordinator.weight_sync_impl != "vllm":
-        return
-    if cfg.generator.engine != "vllm":
-        raise ConfigError(f"config key 'coordinator.weight_sync_impl': 'vllm' needs generator.engine=vllm, not "
-                          f"{cfg.generator.engine!r}; use 'ours'")
-    if cfg.coordinator.weight_sync not in ("cuda_ipc", "auto"):  # auto: a placement that failed reports itself
-        raise ConfigError(f"config key 'coordinator.weight_sync_impl': 'vllm' is wired for cuda_ipc (colocated on "
-                          f"GPUs) only, the placement gives {cfg.coordinator.weight_sync}; use 'ours'")
-    kwargs = dict(cfg.generator.engine_kwargs or {})
-    kwargs.setdefault("weight_transfer_config", {"backend": "ipc"})
-    cfg.generator.engine_kwargs = kwargs
 
 
 def may_be_off_policy(cfg: RunConfig) -> str:

@@ -169,13 +169,3 @@ def test_the_engine_core_is_spawned_unless_the_user_chose():
     assert vllm_engine.ensure_spawn_env(env) and env == {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     user = {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
     assert not vllm_engine.ensure_spawn_env(user) and user["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
-
-
-def test_vllms_own_weight_transfer_gets_its_serialization_switch_unless_the_user_chose():
-    env: dict[str, str] = {}
-    assert not vllm_engine.ensure_native_transfer_env({"model": "/m"}, env) and env == {}  # ours: never
-    assert vllm_engine.ensure_native_transfer_env({"weight_transfer_config": object()}, env)
-    assert env == {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-    user = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "0"}
-    assert not vllm_engine.ensure_native_transfer_env({"weight_transfer_config": object()}, user)
-    assert user["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "0"

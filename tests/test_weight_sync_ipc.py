@@ -253,7 +253,7 @@ def test_a_worker_whose_rank_does_not_fit_the_group_says_so_before_joining():
 
     rdv = Rendezvous(host="127.0.0.1", port=1, world_size=3, backend="gloo", timeout_s=1)
     with pytest.raises(WeightSyncError, match="needs rank 3 but the group's world_size is 3"):
-        FakeWorker(1, "GPU-b").arl_weights("nccl", "ours", "join", rdv.__dict__, 2)
+        FakeWorker(1, "GPU-b").arl_weights("nccl", "join", rdv.__dict__, 2)
 
 
 def test_the_merged_ipc_message_crosses_msgpack_as_pickled_bytes():

@@ -5,15 +5,15 @@ at each of the four places a sync crosses: the coordinator (``sync``), the learn
 ``merge``), a learner rank (``on_sender``, its sender half) and a generator (``on_receiver``, its
 receiver half), plus inside an engine's worker processes (``on_worker``) for an engine that loads
 there (vLLM). ONE factory picks it from the resolved config (``weights.strategy.transport_for``:
-coordinator.weight_sync x coordinator.weight_sync_impl). The house around it has two verbs: the
-learner's ``send_weights(call)`` and the generator's ``receive_weights(call)`` (and the vLLM worker
-extension's ``arl_weights``), each forwarding a ``WeightsCall`` to its end (``weights.endpoint``).
+coordinator.weight_sync). The house around it has two verbs: the learner's ``send_weights(call)`` and
+the generator's ``receive_weights(call)`` (and the vLLM worker extension's ``arl_weights``), each
+forwarding a ``WeightsCall`` to its end (``weights.endpoint``).
 
 **Adding a transport touches weights/ only, and no existing class:** one new module with its
 ``Transport`` subclass (and, as the existing ones have, a sender and a receiver class: three new
 classes in all) plus one line in ``weights.strategy.REGISTRY``. No shell, engine, learner group or
-coordinator method changes. (Outside code, a user picks it by its key, so a key whose kind or impl
-is new is also a new value of the config's ``coordinator.weight_sync`` / ``weight_sync_impl``.)
+coordinator method changes. (Outside code, a user picks it by its kind, so a new kind is also a new
+value of the config's ``coordinator.weight_sync``.)
 
 This module is the one name callers import (``import weights as weight_sync``); the code lives
 in one file per concern, each with its invariants in its docstring:
@@ -30,8 +30,10 @@ in one file per concern, each with its invariants in its docstring:
   the transformers engine) opens only its own GPU's handle.
 - ``broadcast``: a private NCCL (GPU) / gloo (CPU) group, learner rank 0 sending; ``nccl``: that
   transport's steps (the group built whole, rebuilt when a member is missing).
-- ``vllm_native``: vLLM's own weight-transfer engine (``vllm.distributed.weight_transfer``, CUDA IPC)
-  behind the same halves (weight_sync_impl="vllm").
+
+vLLM's own weight-transfer engines (``vllm.distributed.weight_transfer``) once stood behind the same
+halves; measured against ``ipc`` on the H200 they were 3.1x slower per sync at equal memory
+(docs/PERFORMANCE.md, issue 23), so their code was removed.
 
 Which transport runs follows from the placement (``CoordinatorConfig.weight_sync``): colocated GPU
 -> cuda_ipc, disaggregated GPU -> nccl, CPU -> object_store.
@@ -68,12 +70,12 @@ __all__ = [
 ]
 
 
-def make_receiver(kind: str, load_weights: Any, engine: Any = None, impl: str = "ours") -> Any:
+def make_receiver(kind: str, load_weights: Any, engine: Any = None) -> Any:
     """The receiver half of a per-bucket transport (weights.strategy); `engine` (one that loads in its
     own workers) gets the messages themselves: the merged IPC bucket, or the checked plan and raw buffers."""
     from weights.strategy import get_transport
 
-    transport = get_transport(kind, impl)
+    transport = get_transport(kind)
     if not transport.per_bucket:
         raise ValueError(f"coordinator.weight_sync {kind!r} is not a per-bucket transport (object_store, cuda_ipc)")
     return transport.make_receiver(load_weights, engine)

@@ -2,7 +2,7 @@
 
 The learner rank's one verb is ``send_weights(call)`` -> ``SendEnd.handle(call)``; the generator's is
 ``receive_weights(call)`` -> ``ReceiveEnd.handle(call)``; a vLLM worker's is the extension's
-``arl_weights(kind, impl, op, *args)`` -> ``on_worker``. Each looks the transport up in the one factory
+``arl_weights(kind, op, *args)`` -> ``on_worker``. Each looks the transport up in the one factory
 (weights.strategy) and hands it the step; the transport keeps its halves in the end's ``halves``.
 
 Invariants:
@@ -25,7 +25,7 @@ from weights.strategy import get_transport
 
 
 def _transport(call: WeightsCall) -> Transport:
-    return get_transport(call.key.kind, call.key.impl)
+    return get_transport(call.key.kind)
 
 
 class SendEnd:
@@ -83,6 +83,6 @@ class ReceiveEnd:
         return await _transport(call).on_receiver(self, call)
 
 
-def on_worker(worker: Any, kind: str, impl: str, op: str, *args: Any) -> Any:
+def on_worker(worker: Any, kind: str, op: str, *args: Any) -> Any:
     """Inside an engine's worker process (the vLLM worker extension's `arl_weights`)."""
-    return get_transport(kind, impl).on_worker(worker, op, *args)
+    return get_transport(kind).on_worker(worker, op, *args)

@@ -253,7 +253,7 @@ class CudaIpcTransport(Transport):
     that loads in its own workers (vLLM) gets the merged message as bytes; each worker opens its own
     GPU's handle (worker step `load`)."""
 
-    key = TransportKey("cuda_ipc", "ours")
+    key = TransportKey("cuda_ipc")
 
     def make_sender(self, export_weights, bucket_mb, *, rank=0, device=None):
         return CudaIpcSender(lambda mb: export_weights(mb, device="cuda"), bucket_mb, device=device)

@@ -38,7 +38,7 @@ class BroadcastTransport(Transport):
     one `send` beside every receiver's `receive`. An engine that loads in its own workers (vLLM)
     joins from each worker, one rank per worker."""
 
-    key = TransportKey("nccl", "ours")
+    key = TransportKey("nccl")
     per_bucket = False
     blocking_sender_steps = frozenset({"init", "send", "export"})
 

@@ -35,18 +35,14 @@ from typing import Any, Awaitable, Callable
 from weights.base import ExportOnly, drive_bucketed_sync, maybe_await
 from weights.wire import WeightSyncError
 
-IMPLS = ("ours", "vllm")  # coordinator.weight_sync_impl
-
-
 @dataclass(frozen=True)
 class TransportKey:
-    """What picks a transport: the placement's kind (coordinator.weight_sync) and whose code moves it."""
+    """What picks a transport: the placement's kind (coordinator.weight_sync)."""
 
     kind: str  # object_store | cuda_ipc | nccl
-    impl: str = "ours"  # ours | vllm
 
     def __str__(self) -> str:
-        return f"{self.kind}/{self.impl}"
+        return self.kind
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,7 @@ class ObjectStoreTransport(Transport):
     """The CPU transport and the one the transformers engine always takes. An engine that loads in
     its own workers (vLLM) gets each checked plan and its raw buffers there (worker step `load`)."""
 
-    key = TransportKey("object_store", "ours")
+    key = TransportKey("object_store")
 
     def make_sender(self, export_weights, bucket_mb, *, rank=0, device=None):
         return ObjectStoreSender(export_weights, bucket_mb)

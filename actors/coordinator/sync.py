@@ -89,7 +89,7 @@ class WeightSyncHandshake:
     async def _sync_once(self, version: int, generators: list) -> None:
         from weights.strategy import fallback, transport_for
 
-        transport = transport_for(self.cfg.coordinator, self.cfg.generator.engine)
+        transport = transport_for(self.cfg.coordinator)
         collective = not transport.per_bucket
         if collective and len(generators) < len(self.generators):
             # A collective needs every rank of the group: resyncing only some generators (a

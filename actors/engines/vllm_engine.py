@@ -18,10 +18,6 @@ Invariants:
   `load_weights` also uses after flattening its tensors). Every worker must report the bucket's
   tensor count, else the load is an error. `finish_weight_update(version)` empties the workers'
   allocator caches, resets the prefix cache and only then sets the version.
-- Built with a `weight_transfer_config` (coordinator.weight_sync_impl=vllm: vLLM's own CUDA-IPC
-  weight transfer, weights/vllm_native.py), the engine sets VLLM_ALLOW_INSECURE_SERIALIZATION=1
-  before vLLM starts its engine core, unless the user set it: vLLM 0.26's IPC handles hold torch
-  types that its msgpack RPC carries only so.
 - Without flashinfer, vLLM 0.26's default sampler fails at start-up: the engine sets
   VLLM_USE_FLASHINFER_SAMPLER=0 itself when flashinfer is not importable (and logs it once), unless
   the user set the variable.
@@ -57,7 +53,7 @@ log = logging.getLogger(__name__)
 VLLM_API: list[tuple[str, tuple[str, ...]]] = [
     ("vllm.AsyncEngineArgs", ("model", "tokenizer", "dtype", "tensor_parallel_size", "gpu_memory_utilization",
                               "enable_prefix_caching", "enforce_eager", "enable_sleep_mode", "seed",
-                              "trust_remote_code", "worker_extension_cls", "logprobs_mode", "weight_transfer_config")),
+                              "trust_remote_code", "worker_extension_cls", "logprobs_mode")),
     ("vllm.SamplingParams", ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "logprobs", "seed",
                              "skip_special_tokens", "output_kind")),
     ("vllm.inputs.TokensPrompt", ("prompt_token_ids",)),
@@ -71,14 +67,6 @@ VLLM_API: list[tuple[str, tuple[str, ...]]] = [
     ("vllm.v1.engine.async_llm.AsyncLLM.collective_rpc", ("method", "timeout", "args")),
     ("vllm.v1.engine.async_llm.AsyncLLM.reset_prefix_cache", ()),
     ("vllm.v1.engine.async_llm.AsyncLLM.shutdown", ()),
-    # coordinator.weight_sync_impl=vllm (weights/vllm_native.py): vLLM's own weight-transfer protocol
-    ("vllm.config.WeightTransferConfig", ("backend",)),
-    ("vllm.distributed.weight_transfer.base.WeightTransferInitRequest", ("init_info",)),
-    ("vllm.distributed.weight_transfer.base.WeightTransferUpdateRequest", ("update_info",)),
-    ("vllm.v1.engine.async_llm.AsyncLLM.init_weight_transfer_engine", ("request",)),
-    ("vllm.v1.engine.async_llm.AsyncLLM.start_weight_update", ()),
-    ("vllm.v1.engine.async_llm.AsyncLLM.update_weights", ("request",)),
-    ("vllm.v1.engine.async_llm.AsyncLLM.finish_weight_update", ()),
 ]
 
 
@@ -144,9 +132,6 @@ def build_engine_args(generator_cfg: Any, model_cfg: Any, model_path: str, known
         hints = {k: difflib.get_close_matches(k, sorted(known_fields), n=1) for k in unknown}
         detail = ", ".join(f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items())
         raise ValueError(f"generator.engine_kwargs: not vLLM AsyncEngineArgs field(s): {detail}")
-    wtc = args.get("weight_transfer_config")
-    if isinstance(wtc, dict):  # coordinator.weight_sync_impl=vllm (config validation put it there)
-        args["weight_transfer_config"] = _sym("vllm.config.WeightTransferConfig")(**wtc)
     if not args["enable_sleep_mode"]:
         raise ValueError("generator.engine_kwargs.enable_sleep_mode must stay true (sleep/wake needs it)")
     return args
@@ -194,19 +179,6 @@ def ensure_spawn_env(environ: dict | None = None) -> bool:
     return True
 
 
-def ensure_native_transfer_env(engine_args: Mapping[str, Any], environ: dict | None = None) -> bool:
-    """VLLM_ALLOW_INSECURE_SERIALIZATION=1 when the engine is built with vLLM's own weight transfer
-    (its IPC update info holds torch types: the tensor and storage classes, the dtype), unless the user
-    set the variable; returns whether it set it. The messages are our own learner's, through our own
-    generator, to the engine core this process spawns."""
-    env = os.environ if environ is None else environ
-    if engine_args.get("weight_transfer_config") is None or "VLLM_ALLOW_INSECURE_SERIALIZATION" in env:
-        return False
-    env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    log.warning("vLLM's own weight transfer: VLLM_ALLOW_INSECURE_SERIALIZATION=1 (its IPC handles hold torch types)")
-    return True
-
-
 class VLLMEngine(PartialRequests, Engine):
     loads_in_workers = True
     _sym_fn = staticmethod(_sym)
@@ -218,7 +190,6 @@ class VLLMEngine(PartialRequests, Engine):
         ensure_sampler_env()
         ensure_spawn_env()
         args = build_engine_args(generator_cfg, model_cfg, model_path, engine_arg_fields())
-        ensure_native_transfer_env(args)
         AsyncEngineArgs = _sym("vllm.AsyncEngineArgs")
         self.llm = _sym("vllm.v1.engine.async_llm.AsyncLLM.from_engine_args")(AsyncEngineArgs(**args))
         hf_config = getattr(getattr(self.llm, "model_config", None), "hf_config", None)
@@ -292,7 +263,7 @@ class VLLMEngine(PartialRequests, Engine):
 
     async def in_workers(self, key: Any, op: str, *args: Any, timeout: float | None = 600.0) -> list:
         """A weight-sync transport's step in every worker (the extension's `arl_weights`)."""
-        return await self._rpc("arl_weights", key.kind, key.impl, op, *args, timeout=timeout)
+        return await self._rpc("arl_weights", key.kind, op, *args, timeout=timeout)
 
     def num_workers(self) -> int:
         """One per tensor-parallel rank: each takes its own rank in a broadcast group."""

@@ -6,7 +6,7 @@ engine-core process. So only plain values cross that RPC here: bytes, ints, stri
 them. Never a tensor (msgpack turns it into a ``[dtype, shape, data]`` list, vLLM 0.26-0.32).
 
 Invariants:
-- ``arl_weights(kind, impl, op, *args)`` hands one step of a weight-sync transport to that transport
+- ``arl_weights(kind, op, *args)`` hands one step of a weight-sync transport to that transport
   (weights.endpoint.on_worker); what the step does (open this GPU's CUDA IPC handles, join and take
   part in a broadcast group, rebuild plain bytes on this device) is the transport's, in weights/.
   This class knows no transport.
@@ -51,9 +51,9 @@ class WeightLoaderExtension:
     def arl_device(self) -> torch.device:
         return torch.device(getattr(self, "device", None) or "cpu")
 
-    def arl_weights(self, kind: str, impl: str, op: str, *args: Any) -> Any:
-        """One step of weight-sync transport (kind, impl) in this worker (weights/)."""
-        return on_worker(self, kind, impl, op, *args)
+    def arl_weights(self, kind: str, op: str, *args: Any) -> Any:
+        """One step of weight-sync transport `kind` in this worker (weights/)."""
+        return on_worker(self, kind, op, *args)
 
     def arl_finish(self) -> dict[str, float]:
         """After the last bucket: the loads' temporaries go back to the device; memory after."""

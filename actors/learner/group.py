@@ -135,7 +135,7 @@ class LearnerGroup:
         """One step of a weight sync: to the ranks the transport names, their replies made one."""
         from weights.strategy import get_transport
 
-        transport = get_transport(call.key.kind, call.key.impl)
+        transport = get_transport(call.key.kind)
         plan = transport.fan_out(call, self.world_size, self.zero_stage)
         replies = await asyncio.gather(*(self.ranks[rank].send_weights.remote(c) for rank, c in plan))
         return transport.merge(call, list(replies))
