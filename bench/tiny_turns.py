@@ -40,7 +40,8 @@ def curve(run_dir: Path) -> dict:
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         m = json.loads(line)
         if "eval_accuracy" in m:
-            evals.append((m.get("step", -1), m["eval_accuracy"], m.get("eval_reward_mean", 0.0)))
+            evals.append((m.get("step", -1), m["eval_accuracy"], m.get("eval_reward_mean", 0.0),
+                          m.get("eval_sample_accuracy", 0.0)))
         if m.get("step", -1) >= 0 and "turns_mean" in m:
             last = {k: m[k] for k in ("turns_mean", "tool_use_frac", "revision_gain", "reward_mean") if k in m}
     return {"evals": evals, "last": last}
