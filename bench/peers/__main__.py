@@ -118,7 +118,10 @@ def run_trl(root: Path, venv: Path, samples_per_step: int) -> dict:
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps(spec))
     cmd = [str(venv_python(venv)), "-P", str(REPO / "bench" / "peers" / "trl_side.py"), str(spec_path)]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # no torch.distributed world of the caller's (a RANK/WORLD_SIZE left in a test process made TRL's
+    # accelerate ask for MASTER_ADDR): TRL runs as the single process it is
+    dist = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and k not in dist and not k.startswith("ACCELERATE_")}
     env["OMP_NUM_THREADS"] = TRL_THREADS  # as every one of our actors (launch/run.py run_env's default)
     log(f"TRL GRPOTrainer: {' '.join(cmd)}")
     t = run_tree(cmd, cwd=out, env=env, log_path=root / "trl.console", timeout_s=TIMEOUT_S)
