@@ -8,7 +8,9 @@ With `model.tiny_sft_slip` = p > 0, each drawn pair's target is its template's s
 (tasks.synthetic.SLIPS: SQL that runs but answers another question) with probability p, drawn anew at
 every draw, so the warm policy learns a mixture (the gold answer about 1 - p of the time) rather than
 which prompt had which label; prompts of no template keep their gold SQL. Only training prompts are
-used: the held-out split is never seen here. A step's draws are `step_draws` (this module imports
+used: the held-out split is never seen here. Steps travel `steps_per_call` at a time in one learner call
+(`sft_steps`: each rank loops over them), with the draws made here in the same order as one call a step
+would make them, so the run is the same whichever the batching. A step's draws are `step_draws` (this module imports
 neither config nor msgspec: bench/gpu_warm_start.py replays the draws on a device that has only torch).
 In a colocated run the launcher puts the engines to sleep before it (launch/place.py), so the warm
 start never shares the device with a resident engine.
@@ -64,8 +66,14 @@ def will_warm_start(cfg: RunConfig) -> bool:
     return cfg.model.source == "tiny" and cfg.model.tiny_sft_steps > 0
 
 
-def warm_start(cfg: RunConfig, learner, items: list, model_path: str, log) -> dict[str, float]:
-    """The tiny recipe's supervised warm-start on (partly slipped) SQL, so RL starts with some signal."""
+STEPS_PER_CALL = 20  # warm-start steps a learner call carries (each rank loops over them)
+
+
+def warm_start(cfg: RunConfig, learner, items: list, model_path: str, log,
+               steps_per_call: int = STEPS_PER_CALL) -> dict[str, float]:
+    """The tiny recipe's supervised warm-start on (partly slipped) SQL, so RL starts with some signal.
+    Returns its scalars; `time_sft` is the wall time, `time_sft_learner` rank 0's time inside the steps
+    (the rest is the calls' round trips and the draws here)."""
     import asyncio
     import random
 
@@ -77,25 +85,38 @@ def warm_start(cfg: RunConfig, learner, items: list, model_path: str, log) -> di
     batch, p_slip, p_episode = cfg.model.tiny_sft_batch, cfg.model.tiny_sft_slip, cfg.model.tiny_sft_episodes
     episodes = _Episodes(cfg, model_path) if p_episode > 0 and cfg.generator.max_turns > 1 else None
     losses, slips, drawn, fixes = [], 0, 0, 0
+    learner_s, calls = 0.0, 0
     start = time.perf_counter()
-    for i in range(steps):
-        chunk = []
-        for k, use_slip in step_draws(pairs, rng, batch, p_slip):
-            prompt, gold, slip = pairs[k]
-            slips += use_slip
-            drawn += 1
-            if episodes is None:
-                chunk.append((prompt, slip if use_slip else gold))
-                continue
-            triple = episodes.example(items[k], prompt, use_slip, rng.random() < p_episode, rng)
-            fixes += len(triple[2]) > 0 and 0 in triple[2]
-            chunk.append(triple)
-        losses.append(asyncio.run(learner.sft_step(chunk, cfg.model.tiny_sft_lr)))
-        if (i + 1) % max(1, steps // 5) == 0:
-            log.info("warm-start", step=i + 1, of=steps, loss=round(sum(losses[-20:]) / len(losses[-20:]), 4))
+    every = max(1, steps // 5)
+    done = 0
+    while done < steps:
+        batch_steps = min(steps_per_call, steps - done)
+        chunks = []
+        for _ in range(batch_steps):
+            chunk = []
+            for k, use_slip in step_draws(pairs, rng, batch, p_slip):
+                prompt, gold, slip = pairs[k]
+                slips += use_slip
+                drawn += 1
+                if episodes is None:
+                    chunk.append((prompt, slip if use_slip else gold))
+                    continue
+                triple = episodes.example(items[k], prompt, use_slip, rng.random() < p_episode, rng)
+                fixes += len(triple[2]) > 0 and 0 in triple[2]
+                chunk.append(triple)
+            chunks.append(chunk)
+        out = asyncio.run(learner.sft_steps(chunks, cfg.model.tiny_sft_lr))
+        losses += out["losses"]
+        learner_s += out["seconds"]
+        calls += 1
+        before, done = done, done + batch_steps
+        if done // every > before // every:
+            log.info("warm-start", step=done, of=steps, loss=round(sum(losses[-20:]) / len(losses[-20:]), 4))
+    wall = time.perf_counter() - start
     return {"sft_loss_first": losses[0], "sft_loss_last": sum(losses[-10:]) / len(losses[-10:]),
             "sft_slipped_share": slips / max(drawn, 1), "sft_error_fix_share": fixes / max(drawn, 1),
-            "time_sft": time.perf_counter() - start}
+            "time_sft": wall, "time_sft_learner": learner_s, "sft_calls": float(calls),
+            "sft_step_s": wall / steps}
 
 
 class _Episodes:

@@ -107,6 +107,11 @@ class LearnerGroup:
     async def sft_step(self, pairs, lr=None) -> float:
         return (await self._all("sft_step", pairs, lr))[0]
 
+    async def sft_steps(self, chunks, lr=None) -> dict:
+        """Many warm-start steps in one call per rank (each rank loops; every step's collectives pair up
+        as in `sft_step`): rank 0's {"losses", "seconds"}."""
+        return (await self._all("sft_steps", chunks, lr))[0]
+
     async def sleep(self) -> None:
         await self._all("sleep")
 

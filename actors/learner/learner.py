@@ -303,6 +303,14 @@ class Learner(LearnerEngine):
                 g["lr"] = v
         return float(self._reduce({"loss": loss_sum})["loss"])
 
+    def sft_steps(self, chunks: Sequence[Sequence[tuple]], lr: float | None = None) -> dict[str, Any]:
+        """`sft_step` on each chunk in order (one optimizer step per chunk): exactly as many separate calls
+        would do, in one call (the warm start sends many steps per Ray call). Returns {"losses": one per
+        chunk, "seconds": this rank's time inside the steps}."""
+        t0 = time.perf_counter()
+        losses = [self.sft_step(chunk, lr) for chunk in chunks]
+        return {"losses": losses, "seconds": time.perf_counter() - t0}
+
     def logprobs(self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[torch.Tensor]:
         """Per-completion-token log-probs under the current weights (temperature applied); this rank
         alone (a world of one, or ZeRO 0-2: no collective in a forward)."""

@@ -165,6 +165,10 @@ class LearnerShell:
     def sft_step(self, pairs, lr=None) -> float:
         return self.learner.sft_step(pairs, lr=lr)
 
+    def sft_steps(self, chunks, lr=None) -> dict:
+        """Many warm-start steps in one call (Learner.sft_steps): {"losses", "seconds"}."""
+        return self.learner.sft_steps(chunks, lr=lr)
+
     async def send_weights(self, call):
         """This rank's step of a weight sync (a weights.WeightsCall from the coordinator or the group)."""
         return await self._weights_out.handle(call)
