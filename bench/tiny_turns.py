@@ -1,13 +1,17 @@
-"""Does revising pay on tiny? `tiny` (one turn) against `tiny_mt` (max_turns=3), the same seeds and steps.
+"""Does revising pay on tiny? `tiny_case` (one turn) against `tiny_look` (max_turns=3, the same task: values
+stored in a per-database form that one query reveals), the same seeds and steps.
 
     .venv/bin/python -m bench.tiny_turns                 # seeds 0 1 2, 30 steps, eval every 10
     SEEDS=0 STEPS=10 .venv/bin/python -m bench.tiny_turns
+    RECIPES="tiny tiny_mt" .venv/bin/python -m bench.tiny_turns   # the earlier pair (docs/perf/tiny.md)
+    OVERRIDES="data.synthetic_questions=3000" .venv/bin/python -m bench.tiny_turns   # given to both recipes
 
 Each seed runs both recipes side by side (two launcher processes on the 2 cores), then the next seed.
 Reads each run's metrics.jsonl: the held-out greedy accuracy (eval_accuracy) and sampled reward
 (eval_reward_mean) at every evaluation, and the last step's turns_mean / tool_use_frac / revision_gain.
 Writes $OUT/tiny_turns.json, a markdown table on stdout and $OUT/tiny_turns.png (held-out greedy
-accuracy per seed, both recipes). The issue's bar: tiny_mt >= tiny + 0.05 greedy at the last step, every seed.
+accuracy per seed, both recipes). The issue's bar: the multi-turn recipe (the second) >= the one-turn one + 0.05
+greedy at the last step, every seed.
 """
 from __future__ import annotations
 
@@ -24,13 +28,14 @@ SEEDS = [int(s) for s in os.environ.get("SEEDS", "0 1 2").split()]
 STEPS = int(os.environ.get("STEPS", "30"))
 EVAL_EVERY = int(os.environ.get("EVAL_EVERY", "10"))
 OUT = Path(os.environ.get("OUT", "") or tempfile.mkdtemp(prefix="arl-tiny-turns-"))
-RECIPES = ("tiny", "tiny_mt")
+RECIPES = tuple(os.environ.get("RECIPES", "tiny_case tiny_look").split())  # (one turn, multi-turn)
+OVERRIDES = os.environ.get("OVERRIDES", "").split()
 
 
 def launch(recipe: str, seed: int, root: Path) -> subprocess.Popen:
     args = [sys.executable, "-m", "launch.cluster", recipe, f"seed={seed}", f"coordinator.steps={STEPS}",
             f"coordinator.eval_every={EVAL_EVERY}", f"coordinator.checkpoint_every={STEPS}", f"run_root={root}",
-            f"run_id={recipe}-s{seed}"]
+            f"run_id={recipe}-s{seed}", *OVERRIDES]
     log = open(root / f"{recipe}-s{seed}.console", "w")
     return subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
 
@@ -58,11 +63,13 @@ def main() -> int:
             results[f"{r}-s{seed}"] = dict(curve(OUT / f"{r}-s{seed}"), rc=rc) if rc == 0 else {"rc": rc}
         print(f"seed {seed}: {time.time() - t0:.0f} s", flush=True)
         (OUT / "tiny_turns.json").write_text(json.dumps(results, indent=1))
-    lines = ["| seed | tiny greedy (first -> last) | tiny_mt greedy (first -> last) | gap at last | tiny_mt turns, tool use, revision gain (last step) |",
+    one_name, mt_name = RECIPES
+    lines = [f"| seed | {one_name} greedy (first -> last) | {mt_name} greedy (first -> last) | gap at last | "
+             f"{mt_name} turns, tool use, revision gain (last step) |",
              "| --- | --- | --- | --- | --- |"]
     ok = True
     for seed in SEEDS:
-        one, mt = results.get(f"tiny-s{seed}", {}), results.get(f"tiny_mt-s{seed}", {})
+        one, mt = results.get(f"{RECIPES[0]}-s{seed}", {}), results.get(f"{RECIPES[1]}-s{seed}", {})
         if not one.get("evals") or not mt.get("evals"):
             lines.append(f"| {seed} | rc {one.get('rc')} | rc {mt.get('rc')} | - | - |")
             ok = False

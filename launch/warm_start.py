@@ -25,6 +25,10 @@ first query is the one-shot draw (the slip with probability p, else the gold SQL
 observation, and the answer the gold SQL; then the episode's final answer is always gold (so its answer
 mixture is cleaner than a direct answer's: that, the chance to see a first guess's rows and retry, is
 what these episodes teach).
+With `model.tiny_sft_look` = l > 0 (data.synthetic_value_case's task), a share l of the episodes are
+look-then-answer episodes instead (taking precedence): a query that shows how the question's value is
+stored in this database, its real rows, then the one-shot draw's answer (gold or slip, as a direct answer
+would be); an example whose gold compares no place or category value stays a direct answer.
 """
 from __future__ import annotations
 
@@ -129,15 +133,20 @@ class _Episodes:
         self.max_obs = cfg.generator.max_observation_tokens
         self.p_value = cfg.model.tiny_sft_value_slips
         self.p_revise = cfg.model.tiny_sft_revise
+        self.p_look = cfg.model.tiny_sft_look
 
     def example(self, item, prompt: list[int], use_slip: bool, error_first: bool, rng) -> tuple:
         """(prompt ids, response ids, loss mask): a slip-then-fix episode when `error_first` (and a
         misspelling of the answer errors, or, for a share `model.tiny_sft_value_slips`, a misspelt value
         shows other rows), else the direct answer."""
         from tasks.synthetic import slipped
-        from tasks.synthetic_episodes import episode_target, revise_target
+        from tasks.synthetic_episodes import episode_target, look_target, revise_target
 
         answer = (slipped(item.gold_sql) if use_slip else None) or item.gold_sql
+        if error_first and self.p_look > 0 and rng.random() < self.p_look:
+            got = look_target(self.tok, answer, item.gold_sql, item.db_path, self.max_obs)
+            ids, mask = got or episode_target(self.tok, answer, item.db_path, rng, self.max_obs, False)
+            return prompt, ids, mask
         if error_first and self.p_revise > 0 and rng.random() < self.p_revise:
             return (prompt, *revise_target(self.tok, answer, item.gold_sql, item.db_path, self.max_obs))
         kind = "value" if error_first and self.p_value > 0 and rng.random() < self.p_value else "identifier"

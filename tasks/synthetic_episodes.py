@@ -23,6 +23,14 @@ first guess, see what it returns, and then answer right (after a gold first quer
     <observation> item_id\n4\n17\n(2 rows) </observation>
      SELECT name FROM item WHERE genre = 'Poetry' <eos>
 
+or, with kind="look" (a share `model.tiny_sft_look` of them, on data.synthetic_value_case's task), a
+look-then-answer episode: the first query shows how the question's value is stored in this database
+(`probe`), run for real, and the answer (the one-shot draw, in the stored form) follows:
+
+    <sql>SELECT DISTINCT city FROM customers WHERE city LIKE 'Oslo'</sql>
+    <observation> city\nOSLO\n(1 row) </observation>
+     SELECT COUNT(*) FROM customers WHERE city = 'OSLO' <eos>
+
 and a direct episode is just " {the answer} <eos>" (one turn), where the answer is the gold SQL or, with
 `model.tiny_sft_slip`, its template's slip, exactly as the one-shot warm start draws it (so the final
 answers of both warm starts have the same mixture: only the chance to see an error and retry differs).
@@ -43,6 +51,8 @@ import random
 import re
 
 from policies import episode as ep
+from tasks.synthetic import DOMAINS
+from tasks.synthetic_case import COLUMNS, POOL, TABLE
 
 _IDENT = re.compile(r"\b([A-Za-z_][A-Za-z_]{3,})\b")
 _KEYWORDS = {"SELECT", "FROM", "WHERE", "GROUP", "ORDER", "LIMIT", "INNER", "JOIN", "COUNT", "DISTINCT", "HAVING",
@@ -50,7 +60,7 @@ _KEYWORDS = {"SELECT", "FROM", "WHERE", "GROUP", "ORDER", "LIMIT", "INNER", "JOI
 
 
 _VALUE = re.compile(r"'([A-Za-z]{3,})'")
-KINDS = ("identifier", "value", "revise")
+KINDS = ("identifier", "value", "revise", "look")
 
 
 def _swap(sql: str, span: tuple[int, int], rng: random.Random) -> str | None:
@@ -96,6 +106,40 @@ def revise_target(tokenizer, first: str, gold: str, db_path: str, max_observatio
     from tasks.sandbox import execute_readonly
 
     final = encode(tokenizer, " " + gold) + [tokenizer.eos_token_id]
+    result = execute_readonly(db_path, first, timeout_s=5.0, max_rows=1000)
+    return _episode(tokenizer, first, result, final, max_observation_tokens)
+
+
+_LITERAL = re.compile(r"(?:\bT\d\.)?(\w+) = '([^']*)'")
+
+
+def probe(sql: str) -> str | None:
+    """A query that shows how `sql`'s first place or category literal is stored: `SELECT DISTINCT city FROM
+    customers WHERE city LIKE 'Oslo'` (the value as the question words it), or None when `sql` compares no
+    such column with a literal."""
+    for m in _LITERAL.finditer(sql):
+        column, value = m.groups()
+        for d in DOMAINS:
+            for col in COLUMNS:
+                if d[col] != column or not re.search(rf"\b{d[TABLE[col]]}\b", sql):
+                    continue  # another domain's column of that name (city: retail and clinic)
+                word = next((w for w in d[POOL[col]] if w.lower() == value.lower()), None)
+                if word is not None:
+                    table = d[TABLE[col]]
+                    return f"SELECT DISTINCT {column} FROM {table} WHERE {column} LIKE '{word}'"
+    return None
+
+
+def look_target(tokenizer, answer: str, gold: str, db_path: str, max_observation_tokens: int) -> tuple[list[int], list[int]] | None:
+    """(response ids, loss mask) of a look-then-answer episode: the probe of `gold`'s place or category value
+    (`probe`), its real rows as the observation, then `answer`; None when `gold` compares
+    no such value (then there is nothing to look up)."""
+    from tasks.sandbox import execute_readonly
+
+    first = probe(gold)
+    if first is None:
+        return None
+    final = encode(tokenizer, " " + answer) + [tokenizer.eos_token_id]
     result = execute_readonly(db_path, first, timeout_s=5.0, max_rows=1000)
     return _episode(tokenizer, first, result, final, max_observation_tokens)
 

@@ -68,3 +68,92 @@ def test_recipes_name_the_tiny_templates():
 
     assert recipes.TINY_TEMPLATES == TINY_TEMPLATES
     assert recipes.RECIPES["tiny"]().data.synthetic_templates == list(TINY_TEMPLATES)
+
+
+def _digest(bird) -> str:
+    """sha256 of both splits' questions, two databases' rows (iterdump: independent of SQLite's file
+    layout) and two description files."""
+    import hashlib
+
+    h = hashlib.sha256((bird / "train.json").read_bytes() + (bird / "dev.json").read_bytes())
+    for split, db, table in (("train", "retail", "products"), ("dev", "school_2", "courses")):
+        con = sqlite3.connect(bird / f"{split}_databases" / db / f"{db}.sqlite")
+        try:
+            h.update("\n".join(con.iterdump()).encode())
+        finally:
+            con.close()
+        h.update((bird / f"{split}_databases" / db / "database_description" / f"{table}.csv").read_bytes())
+    return h.hexdigest()
+
+
+def test_value_case_off_writes_the_same_bytes_as_before(tmp_path):
+    """The option off is nothing: the digest was taken from main before data.synthetic_value_case existed
+    (9ab0ff0), and value_case=False is the default call."""
+    before = "c417a043ab70df67dd432502413b74b6fffe60b965648574fa940fccf2bc41fe"
+    args = dict(num_databases=3, num_questions=120, seed=5, templates=TINY_TEMPLATES, held_out_databases=3)
+    assert _digest(write_dataset(tmp_path / "a", **args)) == before
+    assert _digest(write_dataset(tmp_path / "b", **args, value_case=False)) == before
+
+
+def test_value_conventions_are_seeded_and_balanced():
+    from tasks.synthetic_case import COLUMNS, FORMS, conventions
+
+    train = [(f"{dom}_{r}", dom) for r in range(3) for dom in ("retail", "school", "library", "clinic")]
+    held = [(f"h{j}", "retail") for j in range(6)]
+    got = conventions(7, train, held)
+    assert got == conventions(7, train, held) and got != conventions(8, train, held)
+    for col in COLUMNS:
+        for dom in ("retail", "school", "library", "clinic"):  # three instances of a domain: every form once
+            assert sorted(got[db][col] for db, d in train if d == dom) == sorted(FORMS)
+        assert sorted(got[db][col] for db, _ in held) == sorted(FORMS * 2)  # held out: each form on a third
+
+
+@pytest.fixture(scope="module")
+def case_task(tmp_path_factory):
+    return write_dataset(tmp_path_factory.mktemp("casetask") / "syn", num_databases=4, num_questions=240, seed=3,
+                         templates=TINY_TEMPLATES, held_out_databases=3, value_case=True)
+
+
+def test_value_case_gold_uses_the_stored_form_and_the_evidence_hides_it(case_task):
+    """Every place / category literal of a gold query is stored in the database exactly so (the gold runs and
+    finds rows), differs from the question's word only by case, is never in the evidence, and the probe of
+    the gold (tasks.synthetic_episodes.probe) shows exactly that literal."""
+    import re
+
+    from tasks.synthetic_episodes import probe
+
+    forms, literal_questions = set(), 0
+    for split in ("train", "dev"):
+        for q in _rows(case_task, split):
+            literals = re.findall(r"(\w+) = '([^']*)'", q["SQL"])
+            if not literals:
+                assert probe(q["SQL"]) is None
+                continue
+            literal_questions += 1
+            (column, value), = literals
+            assert "'" not in q["evidence"] and (value.lower() not in q["evidence"].lower()
+                                                 or f"the {column} column" in q["evidence"])
+            assert _run(case_task, split, q, q["SQL"])  # the gold runs and returns rows
+            assert _run(case_task, split, q, probe(q["SQL"])) == {(value,)}  # the literal is stored exactly so
+            word = re.search(re.escape(value), q["question"], re.I).group()
+            forms.add("title" if value == word else "upper" if value == word.upper() else "lower")
+            assert value == word or value.lower() == word.lower()
+    assert literal_questions > 100 and forms == {"title", "upper", "lower"}
+    dev_ids = {q["db_id"] for q in _rows(case_task, "dev")}
+    assert dev_ids == {"retail_2", "school_2", "library_2"}  # held out after every training instance
+
+
+def test_value_case_needs_prompts_without_sample_values():
+    from config import ConfigError, apply_overrides
+    from config.recipes import get_recipe
+
+    with pytest.raises(ConfigError, match="data.sample_values"):
+        apply_overrides(get_recipe("tiny_case"), ["data.sample_values=3"])
+
+
+def test_held_out_databases_follow_every_training_instance(tmp_path):
+    """With more training databases than domains (retail_2 is then a training database), held-out databases
+    are later instances still: never a training database rebuilt under the same db_id."""
+    bird = write_dataset(tmp_path / "syn", 6, 60, seed=2, templates=TINY_TEMPLATES, held_out_databases=2)
+    train_ids, dev_ids = {q["db_id"] for q in _rows(bird, "train")}, {q["db_id"] for q in _rows(bird, "dev")}
+    assert {"retail_2", "school_2"} <= train_ids and dev_ids == {"retail_3", "school_3"}
