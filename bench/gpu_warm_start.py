@@ -1,6 +1,6 @@
 """Which supervised warm start leaves gpu1_0p6b's model where GRPO can climb? A sweep on one GPU (issue 25).
 
-    .venv/bin/python -m bench.gpu_warm_start --prepare runs/warm_task [--seed S]   # CPU, the project's venv
+    .venv/bin/python -m bench.gpu_warm_start --prepare runs/warm_task [--seed S] [key=value ...]   # CPU, the project's venv
     TASK=runs/warm_task BUDGET_S=500 OUT=$OUT PYTHONPATH=$PWD python3 -m bench.gpu_warm_start     # the device
     SMOKE=1 .venv/bin/python -m bench.gpu_warm_start                 # CPU: a tiny shape, 5 steps, 2 configs
 
@@ -292,6 +292,7 @@ def sweep(task: dict, grid: list[Trajectory], out: Path, budget_s: float, seed: 
             else "cpu", "precision": precision, "held_out": len(held), "train_eval": len(train),
             "eval_samples": 2 if SMOKE else task["generator"]["eval_samples"],
             "temperature": task["generator"]["temperature"], "recipe_sft": task["sft"], "recipe_rl_lr": task["learner"]["lr"],
+            "overrides": task.get("overrides", []),
             "params": sum(p.numel() for p in init.parameters()), "budget_s": budget_s, "skipped": [],
             "note": "cosine rows before their last checkpoint are mid-schedule."}
     print(f"gpu_warm_start: {meta['params'] / 1e6:.1f}M params, {len(pairs)} pairs, {len(held)} held-out, "
@@ -354,9 +355,12 @@ def sweep(task: dict, grid: list[Trajectory], out: Path, budget_s: float, seed: 
 def main(argv: list[str]) -> int:
     task_dir = Path(os.environ.get("TASK") or ("runs/warm_task_smoke" if SMOKE else "runs/warm_task"))
     if argv[:1] == ["--prepare"]:
-        if len(argv) not in (2, 4) or (len(argv) == 4 and argv[2] != "--seed"):
-            sys.exit("usage: python -m bench.gpu_warm_start --prepare DIR [--seed S]")
-        path = prepare(Path(argv[1]), int(argv[3]) if len(argv) == 4 else None)
+        rest, seed = argv[2:], None
+        if rest[:1] == ["--seed"] and len(rest) >= 2:
+            seed, rest = int(rest[1]), rest[2:]
+        if len(argv) < 2 or any("=" not in a for a in rest):
+            sys.exit("usage: python -m bench.gpu_warm_start --prepare DIR [--seed S] [key=value ...]")
+        path = prepare(Path(argv[1]), seed, overrides=rest)
         print(f"task pack: {path} ({sum(f.stat().st_size for f in path.rglob('*') if f.is_file()) / 1e6:.1f} MB)")
         return 0
     task = load_task(task_dir)

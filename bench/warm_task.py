@@ -1,10 +1,11 @@
 """The task pack of bench/gpu_warm_start.py: the gpu1_0p6b recipe's task as the launcher builds it, in files
 a device with only torch, transformers and tokenizers can read.
 
-    .venv/bin/python -m bench.gpu_warm_start --prepare runs/warm_task [--seed S]
+    .venv/bin/python -m bench.gpu_warm_start --prepare runs/warm_task [--seed S] [key=value ...]
 
 Invariants:
-- `prepare` builds with the launcher's own functions for RECIPE with `seed=S` (launch.run.
+- `prepare` builds with the launcher's own functions for RECIPE with `seed=S` and the run's overrides
+  (e.g. data.synthetic_templates=[0,1,2] data.synthetic_databases=8: the task a run with them trains on) (launch.run.
   prepare_model_and_data: the databases and the tokenizer; load_prompts: every training and held-out prompt;
   launch.warm_start.sft_pairs: the warm start's (prompt, gold, slip) pairs), so the pack is the run's task
   exactly; it needs the project's venv (config, tasks.bird and queues.messages import msgspec).
@@ -25,7 +26,7 @@ RECIPE = "gpu1_0p6b"
 SMALL_SHAPE = dict(tiny_hidden_size=64, tiny_layers=2, tiny_heads=4, tiny_kv_heads=2, tiny_intermediate_size=128)
 
 
-def prepare(task_dir: Path, seed: int | None = None, recipe: str = RECIPE) -> Path:
+def prepare(task_dir: Path, seed: int | None = None, recipe: str = RECIPE, overrides: list[str] = ()) -> Path:
     """Writes the task pack (module docstring) with the project's own functions; needs the project's venv."""
     import structlog
 
@@ -35,7 +36,7 @@ def prepare(task_dir: Path, seed: int | None = None, recipe: str = RECIPE) -> Pa
     from launch.warm_start import sft_pairs
     from queues.messages import unpack_ids
 
-    cfg = get_recipe(recipe) if seed is None else apply_overrides(get_recipe(recipe), [f"seed={seed}"])
+    cfg = apply_overrides(get_recipe(recipe), list(overrides) + ([] if seed is None else [f"seed={seed}"]))
     build = apply_overrides(cfg, [f"model.{k}={v}" for k, v in SMALL_SHAPE.items()])  # the tokenizer is
     log = structlog.get_logger("gpu_warm_start")  # the run's whatever the shape; a small model is built beside it
     task_dir = Path(task_dir).absolute()
@@ -57,7 +58,7 @@ def prepare(task_dir: Path, seed: int | None = None, recipe: str = RECIPE) -> Pa
         return {k: getattr(model_cfg, k) for k in ("tiny_hidden_size", "tiny_layers", "tiny_heads", "tiny_kv_heads",
                                                     "tiny_intermediate_size", "tiny_vocab_size")}
     tiny = get_recipe("tiny")  # CALIBRATE=1: tiny's own warm start on this (tiny's) task, against docs/perf/tiny.md
-    task = {"recipe": recipe, "seed": cfg.seed, "tokenizer": os.path.relpath(model_path, task_dir),
+    task = {"recipe": recipe, "seed": cfg.seed, "overrides": list(overrides), "tokenizer": os.path.relpath(model_path, task_dir),
             "model": shape(m), "tiny": {"model": shape(tiny.model), "sft_lr": tiny.model.tiny_sft_lr,
                                         "sft_steps": tiny.model.tiny_sft_steps, "sft_slip": tiny.model.tiny_sft_slip,
                                         "learner": {"betas": list(tiny.learner.betas), "grad_clip": tiny.learner.grad_clip,

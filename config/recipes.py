@@ -13,6 +13,8 @@ from config.schema import (AssemblerConfig, ClusterConfig, CoordinatorConfig, Da
 
 # tasks.synthetic.TINY_TEMPLATES (config/ imports nothing of ours; tests/test_tiny_task.py keeps them equal)
 TINY_TEMPLATES = (0, 1, 3, 4, 5, 6, 8)
+# gpu1_0p6b's: tiny's and the two it leaves out for their length or their two-word values (2, 7)
+GPU1_TEMPLATES = (0, 1, 2, 3, 4, 5, 6, 7, 8)
 
 RECIPES: dict[str, Callable[[], RunConfig]] = {}
 
@@ -189,11 +191,16 @@ def gpu1_0p6b() -> RunConfig:
     """
     cfg = tiny()
     cfg.name = "gpu1_0p6b"
-    cfg.data.eval_samples = 8  # tiny's task as it is; 8 samples per held-out prompt (vLLM: ~1-2 s per eval)
+    cfg.data.eval_samples = 8  # 8 samples per held-out prompt (vLLM: ~1-2 s per eval)
+    # tiny's task widened so a 354M model cannot memorise it: two more templates (the item-name lookup and
+    # the three-table join), 8 training databases, 4,000 questions (115 -> 336 distinct training texts, 74 -> 189 held out)
+    cfg.data.synthetic_templates = list(GPU1_TEMPLATES)
+    cfg.data.synthetic_databases = 8
+    cfg.data.synthetic_questions = 4000
     cfg.model = ModelConfig(source="tiny", dtype="bfloat16", attn_implementation="sdpa", tiny_hidden_size=1024,
                             tiny_layers=28, tiny_heads=16, tiny_kv_heads=8, tiny_intermediate_size=3072,
-                            tiny_vocab_size=2048, tiny_sft_steps=400, tiny_sft_lr=1e-3, tiny_sft_slip=0.3)
-    cfg.generator = GeneratorConfig(engine="vllm", n_samples=8, temperature=1.0, max_tokens=48,
+                            tiny_vocab_size=2048, tiny_sft_steps=600, tiny_sft_lr=1e-3, tiny_sft_slip=0.3)
+    cfg.generator = GeneratorConfig(engine="vllm", n_samples=8, temperature=1.0, max_tokens=64,
                                     gpu_memory_utilization=0.3, enforce_eager=True, sleep_level=2,
                                     max_inflight_prompts=128, num_cpus=1.0)
     cfg.scorer = ScorerConfig(workers=4, timeout_s=5.0, memory_mb=1024, num_cpus=0.5)
