@@ -199,7 +199,7 @@ def gpu1_0p6b() -> RunConfig:
     cfg.data.synthetic_questions = 4000
     cfg.model = ModelConfig(source="tiny", dtype="bfloat16", attn_implementation="sdpa", tiny_hidden_size=1024,
                             tiny_layers=28, tiny_heads=16, tiny_kv_heads=8, tiny_intermediate_size=3072,
-                            tiny_vocab_size=2048, tiny_sft_steps=600, tiny_sft_lr=1e-3, tiny_sft_slip=0.3)
+                            tiny_vocab_size=2048, tiny_sft_steps=500, tiny_sft_lr=1e-3, tiny_sft_slip=0.3)
     cfg.generator = GeneratorConfig(engine="vllm", n_samples=8, temperature=1.0, max_tokens=64,
                                     gpu_memory_utilization=0.3, enforce_eager=True, sleep_level=2,
                                     max_inflight_prompts=128, num_cpus=1.0)
