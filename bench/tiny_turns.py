@@ -1,4 +1,4 @@
-"""Does revising pay on tiny? `tiny_case` (one turn) against `tiny_look` (max_turns=3, the same task: values
+"""Does revising pay on tiny? `tiny_forms` (one turn) against `tiny_look` (max_turns=3, the same task: values
 stored in a per-database form that one query reveals), the same seeds and steps.
 
     .venv/bin/python -m bench.tiny_turns                 # seeds 0 1 2, 30 steps, eval every 10
@@ -28,7 +28,7 @@ SEEDS = [int(s) for s in os.environ.get("SEEDS", "0 1 2").split()]
 STEPS = int(os.environ.get("STEPS", "30"))
 EVAL_EVERY = int(os.environ.get("EVAL_EVERY", "10"))
 OUT = Path(os.environ.get("OUT", "") or tempfile.mkdtemp(prefix="arl-tiny-turns-"))
-RECIPES = tuple(os.environ.get("RECIPES", "tiny_case tiny_look").split())  # (one turn, multi-turn)
+RECIPES = tuple(os.environ.get("RECIPES", "tiny_forms tiny_look").split())  # (one turn, multi-turn)
 OVERRIDES = os.environ.get("OVERRIDES", "").split()
 
 

@@ -80,30 +80,31 @@ def _three_turns(cfg: RunConfig, name: str) -> RunConfig:
 
 
 @recipe
-def tiny_case() -> RunConfig:
-    """tiny on the value-convention task (data.synthetic_value_case, issue 24 point 9), one turn: each database
-    stores its place and category values in a form of its own (UPPER / lower / Title, tasks/synthetic_case.py)
-    that neither the prompt nor the evidence shows. Twelve training databases (three instances of each of
-    the four domains, so every value is trained in every form) and six held-out ones (each form on a third of
-    their columns). The one-turn baseline of tiny_look; its warm start is tiny's (gold SQL in the stored form,
-    60 % slips)."""
+def tiny_forms() -> RunConfig:
+    """tiny on the value-form task (data.synthetic_value_forms=suffix, issue 24 point 9), one turn: each database
+    stores its place and category values in a form of its own (`Oslo`, `Oslo-1` or `Oslo-2`,
+    tasks/synthetic_forms.py) that neither the prompt nor the evidence shows. Nine training databases (three
+    instances of each of tiny's three domains: their prompts are identical, their forms differ, so no form
+    can be learnt by heart) and six held-out ones (each form on a third of their columns). The one-turn
+    baseline of tiny_look; its warm start is tiny's (gold SQL in the stored form, 60 % slips)."""
     cfg = tiny()
-    cfg.name = "tiny_case"
-    cfg.data.synthetic_value_case = True
-    cfg.data.synthetic_databases = 12
+    cfg.name = "tiny_forms"
+    cfg.data.synthetic_value_forms = "suffix"
+    cfg.data.synthetic_domains = 3
+    cfg.data.synthetic_databases = 9
     cfg.data.synthetic_held_out_databases = 6
     return cfg
 
 
 @recipe
 def tiny_look() -> RunConfig:
-    """tiny_case as multi-turn episodes (generator.max_turns=3): the model may look up how the question's value
+    """tiny_forms as multi-turn episodes (generator.max_turns=3): the model may look up how the question's value
     is stored before it answers. Half of its warm start's examples are look-then-answer episodes where the
     question compares a place or category value (model.tiny_sft_episodes=0.5, model.tiny_sft_look=1):
-    `SELECT DISTINCT city FROM customers WHERE city LIKE 'Oslo'`, its real rows (`OSLO`), then the one-shot
-    draw's answer in the stored form; the rest are tiny's direct answers. Compare with tiny_case (one turn)
+    `SELECT DISTINCT city FROM customers WHERE city LIKE 'Oslo%'`, its real rows (`Oslo-2`), then the one-shot
+    draw's answer in the stored form; the rest are tiny's direct answers. Compare with tiny_forms (one turn)
     at the same steps: `python -m bench.tiny_turns`."""
-    cfg = _three_turns(tiny_case(), "tiny_look")
+    cfg = _three_turns(tiny_forms(), "tiny_look")
     cfg.model.tiny_sft_look = 1.0
     return cfg
 

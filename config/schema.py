@@ -44,9 +44,11 @@ class DataConfig(_Section):
     # >0: the dev split is asked on this many databases of its own (held out: never trained on)
     synthetic_held_out_databases: int = 0
     synthetic_dev_fraction: float = 0.2  # share of questions (of question texts, when held out) for dev
-    # Each database stores its place and category values in a form of its own (UPPER / lower / Title,
-    # tasks/synthetic_case.py) that the prompt does not show (needs sample_values=0) and one query reveals
-    synthetic_value_case: bool = False
+    # Each database stores its place and category values in a form of its own that the prompt does not show
+    # (needs sample_values=0) and one query reveals (tasks/synthetic_forms.py): "suffix" (Oslo / Oslo-1 /
+    # Oslo-2) or "case" (Oslo / OSLO / oslo); "" off
+    synthetic_value_forms: Literal["", "suffix", "case"] = ""
+    synthetic_domains: int = 4  # databases cycle through the first this many of tasks.synthetic.DOMAINS (1-4)
     max_prompt_tokens: int = 4096  # prompts over this budget are dropped at load time (counted)
     sample_values: int = 3  # sample values per column shown in the schema
     eval_size: int = 64  # held-out prompts per periodic eval (0: the whole eval split)
@@ -87,7 +89,7 @@ class ModelConfig(_Section):
     # else the gold SQL), its real rows the observation, and the answer always the gold SQL.
     tiny_sft_revise: float = 0.0
     # Of those episodes, the share that are look-then-answer episodes (taking precedence over the kinds
-    # above; data.synthetic_value_case): a query that shows the stored form of the question's value
+    # above; data.synthetic_value_forms): a query that shows the stored form of the question's value
     # (tasks.synthetic_episodes.probe), its real rows, then the one-shot draw's answer in that form.
     tiny_sft_look: float = 0.0
 

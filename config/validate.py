@@ -130,8 +130,9 @@ def check(cfg: RunConfig) -> None:
     need(0 <= cfg.model.tiny_sft_value_slips <= 1, "model.tiny_sft_value_slips", "must be in [0, 1]")
     need(0 <= cfg.model.tiny_sft_revise <= 1, "model.tiny_sft_revise", "must be in [0, 1]")
     need(0 <= cfg.model.tiny_sft_look <= 1, "model.tiny_sft_look", "must be in [0, 1]")
-    need(not cfg.data.synthetic_value_case or cfg.data.sample_values == 0, "data.sample_values",
-         "must be 0 with data.synthetic_value_case (sample values would show the stored form of the values)")
+    need(not cfg.data.synthetic_value_forms or cfg.data.sample_values == 0, "data.sample_values",
+         "must be 0 with data.synthetic_value_forms (sample values would show the stored form of the values)")
+    need(1 <= cfg.data.synthetic_domains <= 4, "data.synthetic_domains", "must be in 1..4")
     need(cfg.generator.max_observation_tokens >= 8, "generator.max_observation_tokens", "must be >= 8")
     need(cfg.generator.tool_workers >= 1, "generator.tool_workers", "must be >= 1")
     need(cfg.generator.tool_timeout_s >= 0, "generator.tool_timeout_s", "must be >= 0 (0: the scorer's timeout_s)")

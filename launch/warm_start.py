@@ -25,7 +25,7 @@ first query is the one-shot draw (the slip with probability p, else the gold SQL
 observation, and the answer the gold SQL; then the episode's final answer is always gold (so its answer
 mixture is cleaner than a direct answer's: that, the chance to see a first guess's rows and retry, is
 what these episodes teach).
-With `model.tiny_sft_look` = l > 0 (data.synthetic_value_case's task), a share l of the episodes are
+With `model.tiny_sft_look` = l > 0 (data.synthetic_value_forms's task), a share l of the episodes are
 look-then-answer episodes instead (taking precedence): a query that shows how the question's value is
 stored in this database, its real rows, then the one-shot draw's answer (gold or slip, as a direct answer
 would be); an example whose gold compares no place or category value stays a direct answer.

@@ -11,8 +11,9 @@ Invariants:
   slip of a gold query is recovered from its text alone (`slipped`).
 - With held-out databases, no dev question text (with its evidence) is ever a train question's, and
   dev questions are asked on databases train never uses.
-- `value_case` (off by default) gives each database a stored form of its place and category values
-  (tasks/synthetic_case.py); off, nothing of it runs and the bytes are those of before.
+- `value_forms` (off by default) gives each database a stored form of its place and category values
+  (tasks/synthetic_forms.py); off, nothing of it runs and the bytes are those of before. `domains` (default
+  all) is how many DOMAINS the databases cycle through; all of them is the behaviour of before.
 
 Every domain has the same shape (an entity table, an item table, and a fact table linking them
 with a quantity and a date), so one template set serves all of them with domain words swapped in.
@@ -188,15 +189,15 @@ def slipped(sql: str) -> str | None:
     return SLIPS[i].format(**{**domain, **slots})
 
 
-def _domain_for(index: int) -> tuple[str, dict]:
-    d = DOMAINS[index % len(DOMAINS)]
-    rnd = index // len(DOMAINS)
+def _domain_for(index: int, domains: int = len(DOMAINS)) -> tuple[str, dict]:
+    d = DOMAINS[index % domains]
+    rnd = index // domains
     return (d["domain"] if rnd == 0 else f"{d['domain']}_{rnd + 1}"), d
 
 
-def _build_database(path: Path, d: dict, rng: random.Random, scale: int, case: dict | None = None) -> dict:
+def _build_database(path: Path, d: dict, rng: random.Random, scale: int, forms: dict | None = None) -> dict:
     """Writes one SQLite database and returns the values the question slots draw from (as the question
-    words them; with `case`, tasks/synthetic_case.py's forms, the place and category values are stored so)."""
+    words them; with `forms` (tasks/synthetic_forms.py), the place and category values are stored so)."""
     n_entity, n_item, n_fact = 120 * scale, 40 + 10 * scale, 1500 * scale
     entities = [(i + 1, f"{rng.choice(_FIRST)} {rng.choice(_LAST)}", rng.choice(d["places"]),
                  rng.randint(*d["years"])) for i in range(n_entity)]
@@ -215,11 +216,11 @@ def _build_database(path: Path, d: dict, rng: random.Random, scale: int, case: d
     values = {"places": sorted({e[2] for e in entities}), "cats": sorted({it[2] for it in items}),
               "items": [it[1] for it in items], "years": sorted({e[3] for e in entities}),
               "most_per_cat": max(sum(it[2] == c for it in items) for c in d["cats"])}
-    if case:
-        from tasks.synthetic_case import stored
+    if forms:
+        from tasks.synthetic_forms import stored
 
-        entities = [(a, b, stored(case["place"], c), y) for a, b, c, y in entities]
-        items = [(a, b, stored(case["cat"], c), n) for a, b, c, n in items]
+        entities = [(a, b, stored(forms["place"], c), y) for a, b, c, y in entities]
+        items = [(a, b, stored(forms["cat"], c), n) for a, b, c, n in items]
     num_type = "REAL" if d["num"] in ("price", "cost") else "INTEGER"
     if path.exists():
         path.unlink()
@@ -243,8 +244,8 @@ def _build_database(path: Path, d: dict, rng: random.Random, scale: int, case: d
     return values
 
 
-def _write_descriptions(db_dir: Path, d: dict, case: dict | None = None) -> None:
-    """BIRD's database_description/<table>.csv, with BIRD's BOM (with `case`, the category column's value
+def _write_descriptions(db_dir: Path, d: dict, forms: dict | None = None) -> None:
+    """BIRD's database_description/<table>.csv, with BIRD's BOM (with `forms`, the category column's value
     list is left out: it would show the stored form)."""
     desc_dir = db_dir / "database_description"
     desc_dir.mkdir(parents=True, exist_ok=True)
@@ -256,7 +257,7 @@ def _write_descriptions(db_dir: Path, d: dict, case: dict | None = None) -> None
         d["item"]: [(d["i_id"], f"{d['item_one']} id", "unique id of the " + d["item_one"], "integer", ""),
                     ("name", f"{d['item_one']} name", f"name of the {d['item_one']}", "text", ""),
                     (d["cat"], d["cat_word"], f"the {d['cat_word']} of the {d['item_one']}", "text",
-                     "" if case else "one of: " + ", ".join(d["cats"])),
+                     "" if forms else "one of: " + ", ".join(d["cats"])),
                     (d["num"], d["num_word"], f"the {d['num_word']} of the {d['item_one']}", "real" if d["num"] in ("price", "cost") else "integer", "")],
         d["fact"]: [(d["f_id"], f"{d['fact_one']} id", "unique id of the " + d["fact_one"], "integer", ""),
                     (d["e_id"], f"{d['entity_one']} id", f"the {d['entity_one']} of the {d['fact_one']}", "integer", ""),
@@ -271,20 +272,20 @@ def _write_descriptions(db_dir: Path, d: dict, case: dict | None = None) -> None
             w.writerows(rows)
 
 
-def _question(template, d: dict, values: dict, rng: random.Random, case: dict | None = None) -> dict:
+def _question(template, d: dict, values: dict, rng: random.Random, forms: dict | None = None) -> dict:
     difficulty, q, sql, evidence = template
-    if case:
-        from tasks.synthetic_case import case_template
+    if forms:
+        from tasks.synthetic_forms import forms_template
 
-        sql, evidence = case_template(sql, evidence)
+        sql, evidence = forms_template(sql, evidence)
     slots = dict(d)
     slots.update(v_place=rng.choice(values["places"]), v_cat=rng.choice(values["cats"]),
                  v_item=rng.choice(values["items"]), v_year=rng.choice(values["years"][:-1] or values["years"]),
                  v_n=rng.choice([n for n in (5, 6, 7, 8) if n < values["most_per_cat"]] or [1]), v_k=rng.choice([3, 5]), v_fyear=rng.randint(*_FACT_YEARS))
-    if case:
-        from tasks.synthetic_case import stored_slots
+    if forms:
+        from tasks.synthetic_forms import stored_slots
 
-        slots.update(stored_slots(slots, case))
+        slots.update(stored_slots(slots, forms))
     return {"db_id": "", "question": q.format(**slots), "evidence": evidence.format(**slots),
             "SQL": sql.format(**slots), "difficulty": difficulty}
 
@@ -300,15 +301,18 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 def write_dataset(out_dir, num_databases: int = 4, num_questions: int = 400, seed: int = 0,
                   dev_fraction: float = 0.2, scale: int = 1, templates: tuple[int, ...] | None = None,
-                  held_out_databases: int = 0, value_case: bool = False) -> Path:
+                  held_out_databases: int = 0, value_forms: str = "", domains: int = len(DOMAINS)) -> Path:
     """Writes train.json, dev.json and both splits' databases under out_dir; returns out_dir.
 
     `templates`: the TEMPLATES indices questions are drawn from (None: all). With
     `held_out_databases` = 0 the dev split is a random share of questions on the same databases as
     train; with h > 0 it is asked on h further databases of its own (new instances of the train
     domains: the same schema words, other rows, other db_ids), and every question text is assigned to
-    one split by a seeded coin per domain, so no dev question is ever asked in train. `value_case`: each
-    database stores its place and category values in a form of its own (tasks/synthetic_case.py)."""
+    one split by a seeded coin per domain, so no dev question is ever asked in train. `value_forms`
+    ("suffix" or "case"; "" off): each database stores its place and category values in a form of its own
+    (tasks/synthetic_forms.py). `domains`: databases cycle through the first `domains` of DOMAINS."""
+    if not 1 <= domains <= len(DOMAINS):
+        raise ValueError(f"write_dataset: domains must be in 1..{len(DOMAINS)}, got {domains}")
     if num_databases < 1 or num_questions < 2 or not 0 < dev_fraction < 1 or scale < 1 or held_out_databases < 0:
         raise ValueError(f"write_dataset: need num_databases>=1, num_questions>=2, 0<dev_fraction<1, scale>=1, "
                          f"held_out_databases>=0 (got {num_databases}, {num_questions}, {dev_fraction}, {scale}, "
@@ -323,19 +327,22 @@ def write_dataset(out_dir, num_databases: int = 4, num_questions: int = 400, see
 
     # Held-out database j: domain j % m (m: the training domains), an instance after every training one
     # (with <= 4 training databases: retail_2, school_2, ...).
-    m, rounds = min(num_databases, len(DOMAINS)), -(-num_databases // len(DOMAINS))
-    held_index = [len(DOMAINS) * (rounds + j // m) + j % m for j in range(held_out_databases)]
-    case = {}
-    if value_case:
-        from tasks.synthetic_case import conventions
+    m, rounds = min(num_databases, domains), -(-num_databases // domains)
+    held_index = [domains * (rounds + j // m) + j % m for j in range(held_out_databases)]
+    forms = {}
+    if value_forms:
+        from tasks.synthetic_forms import conventions
 
-        case = conventions(seed, [(_domain_for(i)[0], _domain_for(i)[1]["domain"]) for i in range(num_databases)],
-                           [(_domain_for(i)[0], _domain_for(i)[1]["domain"]) for i in held_index])
+        def named(i: int) -> tuple[str, str]:
+            db_id, d = _domain_for(i, domains)
+            return db_id, d["domain"]
+
+        forms = conventions(value_forms, seed, [named(i) for i in range(num_databases)], [named(i) for i in held_index])
 
     def database(domain_index: int) -> tuple:
-        db_id, d = _domain_for(domain_index)
+        db_id, d = _domain_for(domain_index, domains)
         path = build / f"{db_id}.sqlite"
-        return db_id, d, path, _build_database(path, d, random.Random(f"{seed}:{domain_index}"), scale, case.get(db_id))
+        return db_id, d, path, _build_database(path, d, random.Random(f"{seed}:{domain_index}"), scale, forms.get(db_id))
 
     dbs = [database(i) for i in range(num_databases)]
     held = [database(i) for i in held_index]
@@ -343,7 +350,7 @@ def write_dataset(out_dir, num_databases: int = 4, num_questions: int = 400, see
 
     def draw(on: list, k: int) -> dict:
         db_id, d, _, values = on[k % len(on)]
-        q = _question(TEMPLATES[pool[rng.randrange(len(pool))]], d, values, rng, case.get(db_id))
+        q = _question(TEMPLATES[pool[rng.randrange(len(pool))]], d, values, rng, forms.get(db_id))
         q["db_id"] = db_id
         return q
 
@@ -383,7 +390,7 @@ def write_dataset(out_dir, num_databases: int = 4, num_questions: int = 400, see
             db_dir = out / f"{split}_databases" / db_id
             db_dir.mkdir(parents=True, exist_ok=True)
             _link_or_copy(path, db_dir / f"{db_id}.sqlite")
-            _write_descriptions(db_dir, d, case.get(db_id))
+            _write_descriptions(db_dir, d, forms.get(db_id))
     shutil.rmtree(build, ignore_errors=True)
     return out
 

@@ -23,7 +23,7 @@ first guess, see what it returns, and then answer right (after a gold first quer
     <observation> item_id\n4\n17\n(2 rows) </observation>
      SELECT name FROM item WHERE genre = 'Poetry' <eos>
 
-or, with kind="look" (a share `model.tiny_sft_look` of them, on data.synthetic_value_case's task), a
+or, with kind="look" (a share `model.tiny_sft_look` of them, on data.synthetic_value_forms's task), a
 look-then-answer episode: the first query shows how the question's value is stored in this database
 (`probe`), run for real, and the answer (the one-shot draw, in the stored form) follows:
 
@@ -52,7 +52,7 @@ import re
 
 from policies import episode as ep
 from tasks.synthetic import DOMAINS
-from tasks.synthetic_case import COLUMNS, POOL, TABLE
+from tasks.synthetic_forms import COLUMNS, POOL, TABLE
 
 _IDENT = re.compile(r"\b([A-Za-z_][A-Za-z_]{3,})\b")
 _KEYWORDS = {"SELECT", "FROM", "WHERE", "GROUP", "ORDER", "LIMIT", "INNER", "JOIN", "COUNT", "DISTINCT", "HAVING",
@@ -115,18 +115,19 @@ _LITERAL = re.compile(r"(?:\bT\d\.)?(\w+) = '([^']*)'")
 
 def probe(sql: str) -> str | None:
     """A query that shows how `sql`'s first place or category literal is stored: `SELECT DISTINCT city FROM
-    customers WHERE city LIKE 'Oslo'` (the value as the question words it), or None when `sql` compares no
-    such column with a literal."""
+    customers WHERE city LIKE 'Oslo%'` (the value as the question words it; LIKE ignores case, and no pool
+    word begins another of its pool), or None when `sql` compares no such column with a literal."""
     for m in _LITERAL.finditer(sql):
         column, value = m.groups()
         for d in DOMAINS:
             for col in COLUMNS:
                 if d[col] != column or not re.search(rf"\b{d[TABLE[col]]}\b", sql):
                     continue  # another domain's column of that name (city: retail and clinic)
-                word = next((w for w in d[POOL[col]] if w.lower() == value.lower()), None)
+                bare = re.sub(r"-\d+\Z", "", value).lower()  # a suffix form's code off
+                word = next((w for w in d[POOL[col]] if w.lower() == bare), None)
                 if word is not None:
                     table = d[TABLE[col]]
-                    return f"SELECT DISTINCT {column} FROM {table} WHERE {column} LIKE '{word}'"
+                    return f"SELECT DISTINCT {column} FROM {table} WHERE {column} LIKE '{word}%'"
     return None
 
 

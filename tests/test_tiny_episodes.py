@@ -131,13 +131,13 @@ def test_revise_share_out_of_range_is_a_one_line_config_error():
 
 
 def test_look_episode_shows_the_stored_form_and_answers_in_it(data, tmp_path):
-    """kind "look" (model.tiny_sft_look, data.synthetic_value_case): the probe of the gold's value as the
+    """kind "look" (model.tiny_sft_look, data.synthetic_value_forms): the probe of the gold's value as the
     query, its real rows (the value as stored) as the masked observation, then the answer; built by
     concatenation; a question with no place or category value has no look episode."""
     from tasks.synthetic_episodes import look_target, probe
 
     bird = write_dataset(tmp_path / "syn", num_databases=3, num_questions=60, seed=4, templates=list(TINY_TEMPLATES),
-                         value_case=True)
+                         value_forms="suffix")
     tok = data[1]
     made = 0
     for q in load_split(bird, "train")[:30]:
@@ -152,14 +152,15 @@ def test_look_episode_shows_the_stored_form_and_answers_in_it(data, tmp_path):
         final = tok(" " + q.sql, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         assert ids == call + obs + final and mask == [1] * len(call) + [0] * len(obs) + [1] * len(final)
         stored = q.sql.split("'")[1]
+        assert stored.endswith(("-1", "-2")) or stored in q.question
         assert ran.rows == [(stored,)] and f"\n{stored}\n" in tok.decode(obs)  # the observation shows the stored form
         made += 1
     assert made >= 10
 
 
-def test_tiny_look_recipe_is_tiny_case_with_three_turns_and_look_warm_start():
-    one, look = get_recipe("tiny_case"), get_recipe("tiny_look")
-    assert one.data == look.data and one.data.synthetic_value_case and one.data.sample_values == 0
+def test_tiny_look_recipe_is_tiny_forms_with_three_turns_and_look_warm_start():
+    one, look = get_recipe("tiny_forms"), get_recipe("tiny_look")
+    assert one.data == look.data and one.data.synthetic_value_forms == "suffix" and one.data.sample_values == 0
     assert one.generator.max_turns == 1 and look.generator.max_turns == 3
     assert one.model.tiny_sft_episodes == 0 and look.model.tiny_sft_episodes > 0 and look.model.tiny_sft_look == 1
     assert one.model.tiny_sft_slip == look.model.tiny_sft_slip == get_recipe("tiny").model.tiny_sft_slip

@@ -86,45 +86,54 @@ def _digest(bird) -> str:
     return h.hexdigest()
 
 
-def test_value_case_off_writes_the_same_bytes_as_before(tmp_path):
-    """The option off is nothing: the digest was taken from main before data.synthetic_value_case existed
-    (9ab0ff0), and value_case=False is the default call."""
+def test_value_forms_off_writes_the_same_bytes_as_before(tmp_path):
+    """The option off is nothing: the digest was taken from main before data.synthetic_value_forms existed
+    (9ab0ff0), and the default call is the option off with every domain."""
     before = "c417a043ab70df67dd432502413b74b6fffe60b965648574fa940fccf2bc41fe"
     args = dict(num_databases=3, num_questions=120, seed=5, templates=TINY_TEMPLATES, held_out_databases=3)
     assert _digest(write_dataset(tmp_path / "a", **args)) == before
-    assert _digest(write_dataset(tmp_path / "b", **args, value_case=False)) == before
+    assert _digest(write_dataset(tmp_path / "b", **args, value_forms="", domains=4)) == before
 
 
-def test_value_conventions_are_seeded_and_balanced():
-    from tasks.synthetic_case import COLUMNS, FORMS, conventions
+@pytest.mark.parametrize("kind", ["suffix", "case"])
+def test_value_conventions_are_seeded_and_balanced(kind):
+    from tasks.synthetic_forms import COLUMNS, KINDS, conventions
 
-    train = [(f"{dom}_{r}", dom) for r in range(3) for dom in ("retail", "school", "library", "clinic")]
-    held = [(f"h{j}", "retail") for j in range(6)]
-    got = conventions(7, train, held)
-    assert got == conventions(7, train, held) and got != conventions(8, train, held)
+    domains = ("retail", "school", "library")
+    train = [(f"{dom}_{r}", dom) for r in range(3) for dom in domains]
+    held = [(f"h{j}", domains[j % 3]) for j in range(6)]
+    got, forms = conventions(kind, 7, train, held), KINDS[kind]
+    assert got == conventions(kind, 7, train, held) and got != conventions(kind, 8, train, held)
     for col in COLUMNS:
-        for dom in ("retail", "school", "library", "clinic"):  # three instances of a domain: every form once
-            assert sorted(got[db][col] for db, d in train if d == dom) == sorted(FORMS)
-        assert sorted(got[db][col] for db, _ in held) == sorted(FORMS * 2)  # held out: each form on a third
+        for dom in domains:  # three instances of a domain (identical prompts): every form once
+            assert sorted(got[db][col] for db, d in train if d == dom) == sorted(forms)
+        assert sorted(got[db][col] for db, _ in held) == sorted(forms * 2)  # held out: each form on a third
+    for r in range(3):  # each round of instances holds the forms evenly
+        assert sorted(got[f"{dom}_{r}"][col] for dom in domains for col in COLUMNS) == sorted(forms * 2)
+    with pytest.raises(ValueError, match="kind"):
+        conventions("italic", 7, train, held)
 
 
-@pytest.fixture(scope="module")
-def case_task(tmp_path_factory):
-    return write_dataset(tmp_path_factory.mktemp("casetask") / "syn", num_databases=4, num_questions=240, seed=3,
-                         templates=TINY_TEMPLATES, held_out_databases=3, value_case=True)
+@pytest.fixture(scope="module", params=["suffix", "case"])
+def forms_task(request, tmp_path_factory):
+    bird = write_dataset(tmp_path_factory.mktemp("formstask") / "syn", num_databases=6, num_questions=240, seed=3,
+                         templates=TINY_TEMPLATES, held_out_databases=3, value_forms=request.param, domains=3)
+    return bird, request.param
 
 
-def test_value_case_gold_uses_the_stored_form_and_the_evidence_hides_it(case_task):
+def test_value_forms_gold_uses_the_stored_form_and_the_evidence_hides_it(forms_task):
     """Every place / category literal of a gold query is stored in the database exactly so (the gold runs and
-    finds rows), differs from the question's word only by case, is never in the evidence, and the probe of
+    finds rows), is the question's word in one of the kind's forms, is never in the evidence, and the probe of
     the gold (tasks.synthetic_episodes.probe) shows exactly that literal."""
     import re
 
     from tasks.synthetic_episodes import probe
+    from tasks.synthetic_forms import KINDS, stored
 
-    forms, literal_questions = set(), 0
+    bird, kind = forms_task
+    seen, literal_questions = set(), 0
     for split in ("train", "dev"):
-        for q in _rows(case_task, split):
+        for q in _rows(bird, split):
             literals = re.findall(r"(\w+) = '([^']*)'", q["SQL"])
             if not literals:
                 assert probe(q["SQL"]) is None
@@ -133,22 +142,23 @@ def test_value_case_gold_uses_the_stored_form_and_the_evidence_hides_it(case_tas
             (column, value), = literals
             assert "'" not in q["evidence"] and (value.lower() not in q["evidence"].lower()
                                                  or f"the {column} column" in q["evidence"])
-            assert _run(case_task, split, q, q["SQL"])  # the gold runs and returns rows
-            assert _run(case_task, split, q, probe(q["SQL"])) == {(value,)}  # the literal is stored exactly so
-            word = re.search(re.escape(value), q["question"], re.I).group()
-            forms.add("title" if value == word else "upper" if value == word.upper() else "lower")
-            assert value == word or value.lower() == word.lower()
-    assert literal_questions > 100 and forms == {"title", "upper", "lower"}
-    dev_ids = {q["db_id"] for q in _rows(case_task, "dev")}
-    assert dev_ids == {"retail_2", "school_2", "library_2"}  # held out after every training instance
+            assert _run(bird, split, q, q["SQL"])  # the gold runs and returns rows
+            assert _run(bird, split, q, probe(q["SQL"])) == {(value,)}  # the literal is stored exactly so
+            form = next(f for f in KINDS[kind] for w in re.findall(r"\w+", q["question"]) if stored(f, w) == value)
+            seen.add(form)
+    assert literal_questions > 100 and seen == set(KINDS[kind])
+    assert {q["db_id"] for q in _rows(bird, "dev")} == {"retail_3", "school_3", "library_3"}  # after every training instance
+    assert {q["db_id"] for q in _rows(bird, "train")} == {"retail", "school", "library", "retail_2", "school_2", "library_2"}
 
 
-def test_value_case_needs_prompts_without_sample_values():
+def test_value_forms_need_prompts_without_sample_values():
     from config import ConfigError, apply_overrides
     from config.recipes import get_recipe
 
     with pytest.raises(ConfigError, match="data.sample_values"):
-        apply_overrides(get_recipe("tiny_case"), ["data.sample_values=3"])
+        apply_overrides(get_recipe("tiny_forms"), ["data.sample_values=3"])
+    with pytest.raises(ConfigError, match="data.synthetic_domains"):
+        apply_overrides(get_recipe("tiny_forms"), ["data.synthetic_domains=5"])
 
 
 def test_held_out_databases_follow_every_training_instance(tmp_path):
