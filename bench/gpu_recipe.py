@@ -12,7 +12,10 @@ most 8), rewritten after every seed, so a device call cut short still leaves the
     $OUT/summary.md     one row per seed: wall, steps, held-out reward and greedy accuracy before -> after
                         (rise; "ok" when both rose >= 0.15), step seconds, learner tokens/s and samples/s,
                         whole-step samples/s, weight-sync share, mismatch KL, device memory (peak before
-                        step 1, in step 1, over steps 2..N, after the last step), raylet lines, actors left
+                        step 1, in step 1, over steps 2..N, after the last step), raylet lines, actors left,
+                        the warm start's seconds a step (and how many of them inside the learner), and the
+                        launcher's start-up memory marks (launch/startup_memory.py: per phase, the device's
+                        use and the learner's allocator peak and the engine's reserved, GiB)
     $OUT/summary.json   the same, machine-readable
     $OUT/curves.csv     seed, step, held-out sampled reward, greedy accuracy, sampled accuracy (step -1:
                         the warm start, before training)
@@ -103,11 +106,13 @@ class MemorySampler:
         return self.samples
 
 
-def run_seed(seed: int, timeout_s: float) -> dict:
-    run_id = f"{RECIPE}-s{seed}"
+def run_seed(seed: int, timeout_s: float, recipe: str | None = None, extra: list[str] | None = None) -> dict:
+    """One launcher run of `recipe` (RECIPE) with `extra` overrides (EXTRA) at `seed`, kept under KEEP/<run id>."""
+    recipe = recipe or RECIPE
+    run_id = f"{recipe}-s{seed}"
     shutil.rmtree(RUN_ROOT / run_id, ignore_errors=True)
-    cmd = [sys.executable, "-m", "launch.cluster", RECIPE, f"seed={seed}", f"run_root={RUN_ROOT}", f"run_id={run_id}",
-           *(SMOKE_OVERRIDES if SMOKE else []), *EXTRA]
+    cmd = [sys.executable, "-m", "launch.cluster", recipe, f"seed={seed}", f"run_root={RUN_ROOT}", f"run_id={run_id}",
+           *(SMOKE_OVERRIDES if SMOKE else []), *(EXTRA if extra is None else extra)]
     print(f"[gpu_recipe] seed {seed}: {' '.join(cmd[1:])} (timeout {timeout_s:.0f} s)", flush=True)
     kept = KEEP / run_id
     shutil.rmtree(kept, ignore_errors=True)
@@ -136,7 +141,7 @@ def run_seed(seed: int, timeout_s: float) -> dict:
     if (run_dir / "logs").is_dir():
         shutil.copytree(run_dir / "logs", kept / "logs", dirs_exist_ok=True)
     console_text = (kept / "console.txt").read_text(errors="replace")
-    out = {"seed": seed, "run_id": run_id, "rc": rc, "wall_s": round(wall, 1)}
+    out = {"seed": seed, "recipe": recipe, "run_id": run_id, "rc": rc, "wall_s": round(wall, 1)}
     out.update(summarize(kept, samples, console_text))
     print(f"[gpu_recipe] seed {seed}: rc {rc}, {wall:.0f} s, {out.get('steps', 0)} steps, "
           f"reward rise {out.get('reward_rise')}, greedy rise {out.get('greedy_rise')}", flush=True)
@@ -176,10 +181,14 @@ def summarize(run_dir: Path, mem: list[tuple[float, float]], console: str) -> di
     if out["sync_s"] and out["step_s"]:
         out["sync_share"] = round(out["sync_s"] / out["step_s"], 4)
     out["raylet_lines"] = sum("(raylet)" in line for line in console.splitlines())
-    launcher = run_dir / "logs" / "launcher.jsonl"
-    stopped = [json.loads(line) for line in launcher.read_text().splitlines()] if launcher.exists() else []
-    stopped = [e for e in stopped if e.get("event") == "actors stopped"]
+    events = log_events(run_dir / "logs" / "launcher.jsonl")
+    stopped = [e for e in events if e.get("event") == "actors stopped"]
     out["actors_alive_after"] = stopped[-1].get("alive") if stopped else None
+    out.update(startup_memory(events))
+    warm = [e for e in log_events(run_dir / "logs" / "coordinator.jsonl") if e.get("event") == "warm-start done"]
+    if warm:  # the warm start through the learner: wall, rank 0's time inside the steps, per step, calls
+        out.update({k: warm[-1].get(f) for k, f in (("sft_s", "time_sft"), ("sft_learner_s", "time_sft_learner"),
+                                                     ("sft_step_s", "sft_step_s"), ("sft_calls", "sft_calls"))})
     if mem and steps:
         def start(r: dict) -> float:  # the row is written after the step's eval and checkpoint
             return r["time"] - r["time_step"] - r.get("time_eval", 0.0) - r.get("time_checkpoint", 0.0)
@@ -197,6 +206,29 @@ def summarize(run_dir: Path, mem: list[tuple[float, float]], console: str) -> di
     return out
 
 
+def log_events(path: Path) -> list[dict]:
+    """A structlog JSON-lines file's events ([] when absent; a line that is not JSON is skipped)."""
+    out = []
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def startup_memory(events: list[dict]) -> dict:
+    """The launcher's `start-up memory` marks (launch/startup_memory.py): per phase, the device's use and the
+    learner's and the engine's allocator peaks since the previous mark (GiB), and one compact line."""
+    rows = [e for e in events if e.get("event") == "start-up memory"]
+    out: dict = {"startup_memory": [{k: v for k, v in e.items() if k not in ("event", "level", "timestamp", "actor")}
+                                    for e in rows]}
+    out["startup_line"] = " / ".join(
+        f"{e['phase']} {e.get('device_used_gib', '?')} (learner peak {e.get('learner_max_reserved_gib', '?')}, "
+        f"engine {e.get('engine_reserved_gib', '?')})" for e in rows)
+    return out
+
+
 COLUMNS = [("seed", "seed"), ("rc", "rc"), ("wall_s", "wall s"), ("steps", "steps"),
            ("reward_before", "held-out reward before"), ("reward_after", "after"), ("reward_rise", "rise"),
            ("greedy_before", "greedy acc. before"), ("greedy_after", "after"), ("greedy_rise", "rise"),
@@ -205,21 +237,33 @@ COLUMNS = [("seed", "seed"), ("rc", "rc"), ("wall_s", "wall s"), ("steps", "step
            ("sync_share", "sync share"), ("mismatch_kl", "mismatch KL"),
            ("mem_before_step1_gib", "GiB before step 1"), ("mem_step1_gib", "GiB step 1"),
            ("mem_steps2_n_gib", "GiB steps 2..N"), ("mem_after_last_step_gib", "GiB after last step"),
-           ("raylet_lines", "raylet lines"), ("actors_alive_after", "actors left")]
+           ("raylet_lines", "raylet lines"), ("actors_alive_after", "actors left"),
+           ("sft_step_s", "warm-start s/step"), ("sft_learner_s", "of which in the learner, s"),
+           ("startup_line", "start-up GiB by phase: device (learner allocator peak, engine)")]
+
+
+def table(columns: list[tuple[str, str]], results: list[dict], notes: list[str]) -> list[str]:
+    """A markdown table of `results` under `columns` (key, heading), then the notes as a list."""
+    lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + " --- |" * len(columns)]
+    for r in results:
+        lines.append("| " + " | ".join("" if r.get(k) is None else str(r[k]) for k, _ in columns) + " |")
+    return lines + [""] + [f"- {n}" for n in notes]
+
+
+def pack_runs(path: Path, results: list[dict]) -> None:
+    """runs.tar.gz: each result's kept folder (KEEP/<run id>)."""
+    with tarfile.open(path, "w:gz") as tar:
+        for r in results:
+            tar.add(KEEP / r["run_id"], arcname=r["run_id"])
 
 
 def write_summary(results: list[dict], notes: list[str]) -> None:
     (OUT / "summary.json").write_text(json.dumps({"recipe": RECIPE, "smoke": SMOKE, "extra": EXTRA,
                                                   "results": results, "notes": notes}, indent=1))
     lines = [f"# {RECIPE}: {len(results)} seed(s), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
-             "| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
-    for r in results:
-        lines.append("| " + " | ".join("" if r.get(k) is None else str(r[k]) for k, _ in COLUMNS) + " |")
-    lines += [""] + [f"- {n}" for n in notes]
+             *table(COLUMNS, results, notes)]
     (OUT / "summary.md").write_text("\n".join(lines) + "\n")
-    with tarfile.open(OUT / "runs.tar.gz", "w:gz") as tar:
-        for r in results:
-            tar.add(KEEP / r["run_id"], arcname=r["run_id"])
+    pack_runs(OUT / "runs.tar.gz", results)
     with open(OUT / "curves.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["seed", "step", "eval_reward_mean", "eval_accuracy", "eval_sample_accuracy"])

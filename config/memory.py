@@ -173,24 +173,113 @@ def fp32_masters_gib(cfg: RunConfig, n_params: int, world: int) -> float:
     return 4 * n_params / (world if cfg.learner.zero_stage >= 1 else 1) / GIB
 
 
-def startup_and_checkpoint_phases(cfg: RunConfig, generation: dict[str, float], optimizer_gib: float,
-                                  masters_gib: float) -> dict[str, dict[str, float]]:
+def learner_asleep_awake_gib(cfg: RunConfig, shape: ModelShape, world: int) -> tuple[dict[str, float], dict[str, float]]:
+    """(asleep, awake) components of one learner rank (GiB): launch/plan.py's docstring has the formulas."""
+    lr = cfg.learner
+    states = learner_state_gib(cfg, shape.num_params, world)
+    asleep = {"learner weights": states["learner weights"]}
+    if lr.zero_stage < 3:  # DeepSpeed keeps the gradient buffers of stages 0-2 allocated between steps
+        asleep["learner grads"] = states["learner grads"]
+    if not lr.offload_optimizer:
+        asleep["learner optimizer"] = states["learner optimizer"]
+    asleep["learner CUDA context"] = CUDA_CONTEXT_GIB
+    awake = dict(states)
+    if lr.zero_stage >= 3:
+        awake["ZeRO-3 gather working set"] = zero3_gather_gib(cfg, shape)
+    awake[_activations_label(cfg, shape)] = activation_gib(cfg, shape)
+    awake["logits peak" + (" (liger chunks)" if lr.use_liger else " (full fp32)")] = logits_gib(cfg, shape)
+    awake["learner CUDA context"] = CUDA_CONTEXT_GIB
+    return asleep, awake
+
+
+def vllm_awake_gib(cfg: RunConfig, shape: ModelShape) -> dict[str, float]:
+    """One engine GPU with vLLM awake (GiB): its weight shard and KV cache fill its fraction
+    (generator.gpu_memory_utilization x cluster.gpu_memory_gib); its CUDA context is outside it (vLLM
+    measures its fraction from a snapshot taken after the context exists; the H200 showed 0.35-0.5 GiB)."""
+    gen, mem = cfg.generator, cfg.cluster.gpu_memory_gib
+    shard = DTYPE_BYTES[cfg.model.dtype] * shape.num_params / gen.tensor_parallel_size / GIB
+    kv = gen.gpu_memory_utilization * mem - shard
+    out = {"vLLM weights shard": shard}
+    if kv >= 0:
+        out["vLLM KV cache"] = kv
+    out["vLLM CUDA context"] = CUDA_CONTEXT_GIB
+    return out
+
+
+def shared_async_check(cfg: RunConfig) -> str:
+    """'' when async on shared GPUs fits one GPU (or does not apply, or the model's shape is unknown
+    here), else the one-line reason naming the fields (`shared_async_budget`)."""
+    from config.placement import make_placement
+
+    placement = make_placement(cfg)
+    if not placement.shared or placement.errors:
+        return ""
+    try:
+        shape = model_shape(cfg)
+    except ConfigError:
+        return ""
+    _, awake = learner_asleep_awake_gib(cfg, shape, max(1, placement.learner_world_size))
+    bucket = 2 * cfg.coordinator.weight_bucket_mb / 1024
+    return shared_async_budget(cfg, sum(vllm_awake_gib(cfg, shape).values()), sum(awake.values()) + bucket)
+
+
+def learner_build_gib(cfg: RunConfig, n_params: int, world: int) -> dict[str, float]:
+    """What a learner rank holds at the end of its build, before anything sleeps (GiB).
+
+    DeepSpeed makes the optimizer's state at build: its bf16 (and ZeRO) optimizers step Adam once on zero
+    gradients (FP16_UnfusedOptimizer / ZeRO's `initialize_optimizer_states`), so the fp32 masters and both
+    moments are on the device at once, with the zero gradients (the bf16 ones and their fp32 copies) and
+    the step's foreach temporaries freed into the allocator's cache, not to the device: + 8 bytes a
+    parameter (ZeRO-1+: of this rank's partition). A plain fp32 AdamW at ZeRO-0 makes its state lazily (at
+    the first step): weights alone then. Measured on the H200 (gpu1_0p6b, 354M parameters): 9.07 GiB
+    device-wide after the build, against 8.4 planned here (24 bytes a parameter + the context)."""
+    states = learner_state_gib(cfg, n_params, world)
+    if cfg.learner.dtype != "bfloat16" and cfg.learner.zero_stage == 0:
+        return {"learner weights": states["learner weights"], "learner CUDA context": CUDA_CONTEXT_GIB}
+    part = world if cfg.learner.zero_stage >= 1 else 1
+    return {**states, "optimizer build step (cached)": 8 * n_params / part / GIB,
+            "learner CUDA context": CUDA_CONTEXT_GIB}
+
+
+def startup_and_checkpoint_phases(cfg: RunConfig, build: dict[str, float], generation: dict[str, float],
+                                  optimizer_gib: float) -> dict[str, dict[str, float]]:
     """Colocated engine+learner GPU: the phases besides the step's (launch/place.py, the coordinator).
 
-    start-up   : the engine starts (its whole fraction) while the learner is built: the generation phase
-                 plus the learner's fp32 masters, which stay on the device until its first sleep (with
-                 learner.offload_optimizer; without, they are in the generation phase already). The warm
-                 start then runs with the engines asleep (a training phase) and the learner sleeps before
-                 the first generation, so neither adds a peak.
-    checkpoint : a mid-run checkpoint (coordinator.checkpoint_every < steps) wakes the learner (its
-                 offloaded optimizer back on the device) while the engines generate the next step; the
-                 final checkpoint runs with the engines asleep. Only with learner.offload_optimizer.
-    Only the phases that differ from generation are returned."""
-    out: dict[str, dict[str, float]] = {}
-    if cfg.learner.offload_optimizer and masters_gib > 0:
-        out["start-up"] = {**generation, "learner fp32 masters (till sleep)": masters_gib}
+    learner build : the launcher builds the learner and puts it to sleep before any engine starts on its GPU
+                    (`learner_build_gib`, alone on the device); the engines then start beside a sleeping
+                    learner (the generation phase), and the warm start runs with the engines asleep (a
+                    training phase), so neither adds a peak.
+    checkpoint    : a mid-run checkpoint (coordinator.checkpoint_every < steps) wakes the learner (its
+                    offloaded optimizer back on the device) while the engines generate the next step; the
+                    final checkpoint runs with the engines asleep. Only with learner.offload_optimizer."""
+    out: dict[str, dict[str, float]] = {"learner build": dict(build)}
     co = cfg.coordinator
     if cfg.learner.offload_optimizer and 0 < co.checkpoint_every < co.steps:
         out["checkpoint"] = {**generation, "learner optimizer (saving)": optimizer_gib}
     return out
 
+
+def shared_async_phases(build: dict[str, float], vllm_awake: dict[str, float], awake: dict[str, float],
+                        bucket_gib: float) -> dict[str, dict[str, float]]:
+    """Async on shared GPUs (config.placement's `shared`): nothing sleeps. The learner is built and put to
+    sleep before the engine starts (learner build); then the engine holds its whole fraction and the learner
+    its training footprint for the whole run (the allocator keeps the step's activations cached between
+    steps), the warm start included; a weight sync adds two buckets beside both."""
+    return {"learner build": dict(build),
+            "generation+training": {**vllm_awake, **awake},
+            "weight_sync": {**vllm_awake, **awake, "weight buckets (x2)": bucket_gib}}
+
+
+def shared_async_budget(cfg: RunConfig, vllm_gib: float, learner_gib: float) -> str:
+    """'' when vLLM's resident fraction and the awake learner fit one GPU together, else the one-line reason
+    naming the fields (async on shared GPUs; config.validate.check_inputs raises it as a ConfigError)."""
+    mem = cfg.cluster.gpu_memory_gib
+    if vllm_gib + learner_gib <= mem + 1e-9:
+        return ""
+    util = cfg.generator.gpu_memory_utilization
+    return (f"config keys 'generator.gpu_memory_utilization', 'assembler.micro_batch_tokens': async on shared GPUs "
+            f"keeps vLLM ({util:g} x {mem:g} GiB + its context = {vllm_gib:.2f} GiB) and the awake learner "
+            f"({learner_gib:.2f} GiB: states, activations of {cfg.assembler.micro_batch_tokens} tokens, weight "
+            f"buckets) resident together: {vllm_gib + learner_gib:.2f} GiB > cluster.gpu_memory_gib={mem:g}; the "
+            f"learner's budget is {mem - vllm_gib:.2f} GiB: lower generator.gpu_memory_utilization or "
+            f"assembler.micro_batch_tokens")

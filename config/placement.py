@@ -22,19 +22,25 @@ GPU recipes (cluster.gpus_per_node > 0)
         covers has c = learner.num_cpus and the rank takes the whole GPU.
     async: the engines' bundles (c = generator.num_cpus, the actor takes 1 GPU) come first on each
         node, the learner ranks take every remaining GPU (c = learner.num_cpus, 1 GPU each), in
-        node order; world size = total - engine GPUs. No GPU left for the learner is an error.
+        node order; world size = total - engine GPUs.
+    async on shared GPUs (`Placement.shared`): when the engines take every GPU (one GPU, one engine:
+        gpu1_0p6b coordinator.mode=async), the learner ranks sit on the engines' GPUs as colocated
+        ones do (rank i on bundle i, 0.5/0.5 with the engine covering it), but nothing sleeps: the
+        engine keeps its weights and KV cache resident and the learner its state, so both must fit
+        one GPU together (config.memory.shared_async_budget; config.validate.check_inputs refuses a
+        setting that cannot fit, naming the fields).
 CPU recipes (gpus_per_node == 0)
     No placement group: `learner.num_ranks` rank processes and every other actor ask Ray for their
     num_cpus alone (node 0), as before placement groups existed.
 
 Weight sync follows from the placement (`weight_sync`): coordinator.weight_sync="auto" resolves to
-cuda_ipc when colocated on GPUs, nccl when async on GPUs, object_store on CPU. An explicit request
-that cannot work is a ConfigError naming `coordinator.weight_sync`: cuda_ipc needs every engine GPU
-to hold a learner rank (colocated GPUs); nccl between processes sharing a GPU (colocated GPUs) is
-refused by NCCL; on CPU nccl means the gloo broadcast.
+cuda_ipc when every engine GPU holds a learner rank (colocated on GPUs, or async on shared GPUs), nccl
+when async on GPUs of their own, object_store on CPU. An explicit request that cannot work is a
+ConfigError naming `coordinator.weight_sync`: cuda_ipc needs every engine GPU to hold a learner rank;
+nccl between processes sharing a GPU is refused by NCCL; on CPU nccl means the gloo broadcast.
 
 Invariants: every GPU bundle is used by at least one actor; no GPU slot is given to two actors except
-a colocated rank and the engine covering it (0.5 + 0.5); an engine's bundles are on one node; actor
+a rank and the engine covering it (0.5 + 0.5: colocated, or async on shared GPUs); an engine's bundles are on one node; actor
 names are unique; `errors` lists every reason the placement is impossible, one line each (the
 placement is still returned so the plan can be printed).
 """
@@ -70,6 +76,13 @@ class Placement:
     weight_sync: str
     cpu_bundle: int | None = None  # node 0's CPU-only bundle (None: CPU recipe)
     errors: list[str] = field(default_factory=list)
+    shared: bool = False  # async with the learner ranks on the engines' GPUs (nothing sleeps)
+
+    @property
+    def gpu_shared(self) -> bool:
+        """A learner rank and an engine share a GPU (colocated with engines, or async on shared GPUs): the
+        launcher builds the learner and puts it to sleep before any engine starts (launch/place.py)."""
+        return self.gpu and any(a.num_gpus < 1.0 for a in self.by_role("learner"))
 
     @property
     def gpu(self) -> bool:
@@ -85,6 +98,7 @@ class Placement:
         return {"mode": self.mode, "num_nodes": self.num_nodes, "gpus_per_node": self.gpus_per_node,
                 "bundles": self.bundles, "learner_world_size": self.learner_world_size,
                 "weight_sync": self.weight_sync, "cpu_bundle": self.cpu_bundle, "errors": list(self.errors),
+                "shared": self.shared,
                 "actors": [{"name": a.name, "role": a.role, "node": a.node, "bundle": a.bundle, "gpus": list(a.gpus),
                             "num_gpus": a.num_gpus, "num_cpus": a.num_cpus, "rank": a.rank} for a in self.actors]}
 
@@ -117,19 +131,34 @@ def _cpu_side(cfg: RunConfig, bundle: int | None) -> list[ActorSlot]:
     return out
 
 
+def shares_gpus(cfg: RunConfig) -> bool:
+    """Async on GPUs with the engines on every GPU: the learner ranks share the engines' GPUs (module
+    docstring). False for colocated runs, CPU recipes and engines that do not fit at all."""
+    cl, gen = cfg.cluster, cfg.generator
+    if cfg.coordinator.mode != "async" or cl.gpus_per_node <= 0 or gen.num_engines < 1:
+        return False
+    try:
+        engines = place_engines(gen.num_engines, gen.tensor_parallel_size, cl.num_nodes, cl.gpus_per_node)
+    except ValueError:
+        return False
+    return sum(len(gpus) for _, gpus in engines) == cl.num_nodes * cl.gpus_per_node
+
+
 def resolve_weight_sync(cfg: RunConfig, gpu: bool) -> str:
     """The transport the placement implies, or the one asked for when it can work (else ConfigError)."""
     asked, mode = cfg.coordinator.weight_sync, cfg.coordinator.mode
-    implied = "object_store" if not gpu else ("cuda_ipc" if mode == "colocated" else "nccl")
+    shared = mode == "colocated" or shares_gpus(cfg)
+    implied = "object_store" if not gpu else ("cuda_ipc" if shared else "nccl")
     if asked == "auto":
         return implied
-    where = f"{mode} on {'GPUs' if gpu else 'CPU'}"
+    where = f"{mode}{' on shared GPUs' if shared and mode == 'async' else ''} on {'GPUs' if gpu else 'CPU'}"
     if asked == "cuda_ipc" and implied != "cuda_ipc":
         raise ConfigError(f"config key 'coordinator.weight_sync': cuda_ipc needs every engine on its learner rank's "
-                          f"GPU (colocated on GPUs), but the placement is {where}; use {implied} (or auto)")
-    if asked == "nccl" and gpu and mode == "colocated":
-        raise ConfigError("config key 'coordinator.weight_sync': nccl cannot broadcast between processes sharing a "
-                          "GPU (colocated on GPUs); use cuda_ipc (or auto)")
+                          f"GPU (colocated, or async with the engines on every GPU), but the placement is {where}; "
+                          f"use {implied} (or auto)")
+    if asked == "nccl" and gpu and shared:
+        raise ConfigError(f"config key 'coordinator.weight_sync': nccl cannot broadcast between processes sharing a "
+                          f"GPU ({where}); use cuda_ipc (or auto)")
     return asked
 
 
@@ -164,10 +193,8 @@ def make_placement(cfg: RunConfig) -> Placement:
         engines, errors = [], [f"placement: {e}"]
     covered = {(node, g) for node, gpus in engines for g in gpus}
     all_gpus = [(node, g) for node in range(cl.num_nodes) for g in range(cl.gpus_per_node)]
-    learner_gpus = all_gpus if mode == "colocated" else [x for x in all_gpus if x not in covered]
-    if mode != "colocated" and engines and not learner_gpus:
-        errors.append(f"placement: async mode needs GPUs of its own for the learner, but {gen.num_engines} engines x "
-                      f"TP {tp} take all {len(all_gpus)} GPUs")
+    shared = shares_gpus(cfg)
+    learner_gpus = all_gpus if mode == "colocated" or shared else [x for x in all_gpus if x not in covered]
     world = len(learner_gpus)
     ranks = _num_ranks(cfg)
     if ranks not in (1, world) and world:
@@ -184,14 +211,14 @@ def make_placement(cfg: RunConfig) -> Placement:
     cpu_side = _cpu_side(cfg, cl.gpus_per_node)
     bundles[0].append({"CPU": sum(a.num_cpus for a in cpu_side)})
 
-    share = 0.5 if mode == "colocated" else 1.0
+    share = 0.5 if mode == "colocated" or shared else 1.0
     actors = [ActorSlot(f"generator-{i}", "generator", node, gpus[0], tuple(gpus), share, gen.num_cpus, i)
               for i, (node, gpus) in enumerate(engines)]
     actors += [ActorSlot(f"learner-{r}", "learner", node, g, (g,), share if (node, g) in covered else 1.0,
                          lr.num_cpus, r) for r, (node, g) in enumerate(learner_gpus)]
     actors += cpu_side
     return Placement(mode, cl.num_nodes, cl.gpus_per_node, bundles, actors, world, weight_sync,
-                     cpu_bundle=cl.gpus_per_node, errors=errors)
+                     cpu_bundle=cl.gpus_per_node, errors=errors, shared=shared)
 
 
 def local_num_cpus(placement: Placement, host_cpus: float) -> int | None:

@@ -2,7 +2,8 @@
 
 `tiny` runs anywhere on CPU with nothing downloaded. `bird_1p7b` and `bird_32b` are the GPU
 recipes; the user passes `model.path=` and `data.bird_dir=`. `gpu1_0p6b` is the one-GPU recipe: tiny's
-held-out synthetic task and a Qwen3-0.6B-shaped model built on the spot, nothing downloaded.
+held-out synthetic task and a Qwen3-0.6B-shaped model built on the spot, nothing downloaded;
+`gpu1_0p6b_async` the same in async mode with the engine and the learner both resident on the card.
 """
 from __future__ import annotations
 
@@ -212,6 +213,28 @@ def gpu1_0p6b() -> RunConfig:
     cfg.coordinator = CoordinatorConfig(mode="colocated", steps=40, prompts_per_step=16, eval_every=10,
                                         checkpoint_every=0, weight_sync="cuda_ipc", num_cpus=0.25)
     cfg.cluster = ClusterConfig(num_nodes=1, gpus_per_node=1, gpu_memory_gib=141.0, num_cpus=8)
+    return cfg
+
+
+@recipe
+def gpu1_0p6b_async() -> RunConfig:
+    """gpu1_0p6b in async mode on its one GPU: the vLLM engine and the learner both resident, no sleep.
+
+    The same as `python -m launch.cluster gpu1_0p6b coordinator.mode=async assembler.max_staleness=1`:
+    the placement shares the card (config/placement.py, "async on shared GPUs": the engine and the learner
+    rank each take 0.5 of its bundle), the engine keeps its weights and its 0.3 x 141 GiB of KV cache, the
+    learner its optimizer state and activations (together ~51 GiB planned; `--dry-run` states each
+    process's budget and a setting that cannot fit is refused naming the fields). Generation runs one
+    version ahead (max_staleness 1: step s+1's prompts generate while step s trains), at each weight update
+    the engine parks its in-flight requests and continues them under the new weights (partial rollouts),
+    the weights go over CUDA IPC on the card (the colocated path's transport), and the loss corrects for
+    the behaviour policy with TIS at 2 (as gpu1_0p6b). Its warm start runs beside the resident engine.
+    Compare with gpu1_0p6b in one device call: `python -m bench.gpu_async`."""
+    cfg = gpu1_0p6b()
+    cfg.name = "gpu1_0p6b_async"
+    cfg.coordinator.mode = "async"
+    cfg.assembler.max_staleness = 1
+    cfg.generator.partial_rollouts = True
     return cfg
 
 

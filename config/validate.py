@@ -186,6 +186,17 @@ def check_inputs(cfg: RunConfig) -> None:
         raise ConfigError("config key 'data.bird_dir': is required (the directory holding train.json / dev.json)")
     check_attention(cfg)
     check_multi_node(cfg)
+    check_shared_gpu_budget(cfg)
+
+
+def check_shared_gpu_budget(cfg: RunConfig) -> None:
+    """Async on shared GPUs keeps vLLM and the awake learner resident on one GPU: a setting whose two
+    budgets (config.memory.shared_async_budget) do not fit is refused in one line naming the fields."""
+    from config.memory import shared_async_check
+
+    why = shared_async_check(cfg)
+    if why:
+        raise ConfigError(why)
 
 
 def check_multi_node(cfg: RunConfig) -> None:

@@ -18,6 +18,11 @@ node); a generator gets `device_ids`, the GPU ids Ray gave its TP bundles (found
 each bundle). The groups live as long as one place_and_run: removed when it returns or raises, so a
 relaunch places afresh. CPU recipes use no group; their CPU requests must fit the cluster's CPUs
 (else PlacementFailed at once, not an actor pending forever).
+
+Start-up order: where a learner rank shares its GPU with an engine (colocated, or async on shared GPUs),
+the learner is built and asleep before any engine is created (create_actors); a colocated warm start runs
+with the engines asleep. Each start-up phase boundary is logged with its device memory
+(launch/startup_memory.py: one `start-up memory` line per phase in logs/launcher.jsonl).
 """
 from __future__ import annotations
 
@@ -28,16 +33,28 @@ from typing import Any
 from actors.shell import spawn
 from config import RunConfig, RunContext
 from config import layout
+from launch.startup_memory import StartupMemory
 from launch.warm_start import warm_start, will_warm_start
 
 
-def create_actors(cfg: RunConfig, ctx: RunContext, model_path: str, total_steps: int, names: str = ""):
+def create_actors(cfg: RunConfig, ctx: RunContext, model_path: str, total_steps: int, names: str = "",
+                  memory: StartupMemory | None = None):
     """The run's actors, named `<names>:learner-<rank>` etc. (names: the run id, or the run id and the
     relaunch: Ray keeps a dead actor's name while a handle to it lives), each built the one way
     (actors.shell.spawn: its config section, the run's `ctx`, its specifics) with the Ray options of
     its slot in config.placement.make_placement(cfg) -- the placement --dry-run prints and --preflight
     builds. The learner is a LearnerGroup of the placement's world size (learner.num_ranks on CPU).
+    Where a learner rank shares its GPU with an engine (`placement.gpu_shared`: colocated, or async on
+    shared GPUs) the learner is built and put to sleep (optimizer state to the host where configured,
+    its allocator's cache emptied) BEFORE any engine starts: vLLM sizes its KV cache from the device's
+    memory during its start-up profile, so a learner allocating or freeing on the same GPU meanwhile
+    would skew it, and the learner's build-time optimizer state (DeepSpeed steps Adam once at build)
+    would sit beside the engine's whole fraction (the 51.5 GiB start-up peak of issue 25).
     Returns (learner, generators, scorers, assembler, placement, groups); the caller removes `groups`."""
+    import asyncio
+
+    import structlog
+
     names = names or ctx.run_id
 
     from actors import assembler as assembler_module, scorer as scorer_module
@@ -54,6 +71,13 @@ def create_actors(cfg: RunConfig, ctx: RunContext, model_path: str, total_steps:
         ranks = placement.by_role("learner")
         learner = create_learner(cfg, ctx, model_path, total_steps, names,
                                  rank_options=[actor_options(r, groups) for r in ranks])
+        memory = memory or StartupMemory(structlog.get_logger("arctic_rl.launcher"), placement.gpu)
+        if placement.gpu_shared:
+            from actors.learner.group import JOIN_TIMEOUT_S
+
+            memory.mark("learner built", learner)
+            asyncio.run(asyncio.wait_for(learner.sleep(), JOIN_TIMEOUT_S))
+            memory.mark("learner asleep", learner)
         colocated = cfg.coordinator.mode == "colocated"
         generators = [spawn(generator_module.GeneratorShell, cfg.generator, ctx,
                             options=dict(name=f"{names}:{slot.name}", **actor_options(slot, groups)),
@@ -103,17 +127,18 @@ def create_learner(cfg: RunConfig, ctx: RunContext, model_path: str, total_steps
 def place_and_run(cfg: RunConfig, ctx: RunContext, model_path: str, train_items: list, eval_items: list, log,
                   names: str = "") -> dict[str, Any]:
     names = names or ctx.run_id
+    memory = StartupMemory(log, cfg.cluster.gpus_per_node > 0)
     learner, generators, scorers, assembler, placement, groups = create_actors(
-        cfg, ctx, model_path, cfg.coordinator.steps, names)
+        cfg, ctx, model_path, cfg.coordinator.steps, names, memory=memory)
     try:
         return _drive(cfg, ctx, model_path, train_items, eval_items, log, names,
-                      (learner, generators, scorers, assembler), placement, groups)
+                      (learner, generators, scorers, assembler), placement, groups, memory)
     finally:
         remove_groups(groups)  # a relaunch places its own; removing a group also ends the actors in it
 
 
 def _drive(cfg: RunConfig, ctx: RunContext, model_path: str, train_items: list, eval_items: list, log, names: str,
-           actors: tuple, placement, groups: list) -> dict[str, Any]:
+           actors: tuple, placement, groups: list, memory: StartupMemory | None = None) -> dict[str, Any]:
     import asyncio
 
     import ray
@@ -127,25 +152,28 @@ def _drive(cfg: RunConfig, ctx: RunContext, model_path: str, train_items: list, 
         loops += [a.run.remote() for a in [*generators, *scorers]]
         ray.get(assembler.start.remote())
         asyncio.run(learner.connect())
+        memory = memory or StartupMemory(log, False)
+        memory.mark("engines built", learner, generators)
         coordinator = spawn(Coordinator, cfg, ctx,
                             options=dict(name=f"{names}:coordinator", **actor_options(placement.actor("coordinator"), groups)),
                             train_items=train_items, eval_items=eval_items, generators=generators, learner=learner,
                             assembler=assembler)
         return _drive_coordinator(cfg, Path(ctx.run_dir), model_path, train_items, log, learner, generators,
-                                  coordinator, loops)
+                                  coordinator, loops, memory)
     finally:
         stop_actors(names, generators, scorers, assembler, learner, coordinator, loops, log)
 
 
 def _drive_coordinator(cfg: RunConfig, run_dir: Path, model_path: str, train_items: list, log, learner,
-                       generators: list, coordinator, loops: list) -> dict[str, Any]:
+                       generators: list, coordinator, loops: list, memory: StartupMemory | None = None) -> dict[str, Any]:
     """Warm start (or resume), the initial sync, then the coordinator's loop to its end, watching the
-    stream loops (one that ends on its own is an error)."""
+    stream loops (one that ends on its own is an error). `memory` marks the start-up phases."""
     import ray
 
     from actors.coordinator.coordinator import Coordinator
     from launch.progress import Progress
 
+    memory = memory or StartupMemory(log, False)
     ray.get(coordinator.attach_metrics.remote())
     latest = Coordinator.latest_checkpoint(run_dir) if cfg.coordinator.resume else None
     if latest is not None:
@@ -156,8 +184,12 @@ def _drive_coordinator(cfg: RunConfig, run_dir: Path, model_path: str, train_ite
             # The warm start trains with the engines asleep (weights and KV released), never beside a
             # resident engine: the device's start-up peak stays that of a training step, not both at once.
             ray.get([g.sleep.remote(cfg.generator.sleep_level) for g in generators])
+            memory.mark("engines asleep", learner, generators)
         sft = warm_start(cfg, learner, train_items, model_path, log)
+        if sft:
+            memory.mark("warm start done", learner, generators)
         ray.get(coordinator.initial_sync.remote(sft))
+        memory.mark("initial sync done", learner, generators)
     done = coordinator.run.remote()
     metrics = layout.metrics_file(run_dir)  # a resumed run prints only its own rows
     progress = Progress(run_dir, cfg.coordinator.steps,

@@ -34,10 +34,18 @@ h = hidden, L = layers, I = intermediate, V = vocab, hd = head_dim, nh/nkv = att
                        vLLM also spends part of its fraction on activations and CUDA graphs).
     KV bytes/token   = 2 * L * ceil(nkv/TP) * hd * b_m per GPU (= 2*L*nkv*hd*b_m / TP when TP divides nkv;
                        vLLM replicates KV heads when TP > nkv). KV tokens = KV budget / KV bytes/token.
-    CUDA context     = 0.5 GiB per process on a GPU outside vLLM's fraction (the learner rank; a sleeping vLLM).
-Phases (colocated; the GPU's peak is the max over them; start-up and checkpoint: config.memory's
-startup_and_checkpoint_phases, shown where they differ from generation):
-    generation  : vLLM at its whole fraction + learner asleep (weights [+ grads under ZeRO-0..2, which
+    CUDA context     = 0.5 GiB per process on a GPU outside vLLM's fraction (the learner rank; vLLM, awake or
+                       asleep: vLLM measures its fraction from a snapshot taken after its context exists).
+    learner build    = the learner's states + 8 bytes a parameter (of this rank's partition under ZeRO-1+) + its
+                       context: DeepSpeed steps Adam once on zero gradients at build, so masters and moments are
+                       there, the zero gradients (bf16 and fp32) and the step's temporaries in the allocator's
+                       cache (config.memory.learner_build_gib; fp32 at ZeRO-0: the weights alone).
+Phases (colocated; the GPU's peak is the max over them; learner build and checkpoint: config.memory's
+startup_and_checkpoint_phases):
+    learner build: the learner alone on its GPU: the launcher builds it and puts it to sleep before any engine
+                  starts there (launch/place.py), so the engines start beside a sleeping learner (the
+                  generation phase) and the warm start runs with the engines asleep (a training phase).
+    generation  : vLLM at its whole fraction + its context + learner asleep (weights [+ grads under ZeRO-0..2, which
                   DeepSpeed keeps allocated] + optimizer unless learner.offload_optimizer, which moves it to
                   CPU while asleep) + the learner's CUDA context.
     weight_sync : vLLM woken with weights only (shard) + learner asleep + 2 weight buckets
@@ -51,6 +59,13 @@ startup_and_checkpoint_phases, shown where they differ from generation):
                   and would let the plan pass a configuration that OOMed; counting the whole fraction
                   reproduces that failure. The plan is meant to fail before a run does.
     async: engine GPUs are in generation alone (their fraction); learner GPUs in training alone.
+    async on shared GPUs (config.placement's `shared`: the engines on every GPU; config.memory's
+    shared_async_phases): learner build, then "generation+training" (vLLM's whole fraction and context +
+    the learner awake: nothing sleeps, the warm start included) and weight_sync (the same + 2 buckets). The
+    per-process budgets are facts: vLLM's fraction + context, the learner the rest of the GPU; a learner
+    that does not fit its budget is an error naming generator.gpu_memory_utilization and
+    assembler.micro_batch_tokens (config.validate.check_inputs refuses such a run in the same line).
+    "peak before step 1" (facts) is the max over every phase but a mid-run checkpoint.
 
 Invariant: fits is True exactly when every GPU's every phase is within cluster.gpu_memory_gib, the vLLM
 KV budget is positive and holds at least one max-length sequence (data.max_prompt_tokens +
@@ -65,9 +80,9 @@ from dataclasses import asdict, dataclass, field
 
 from config import RunConfig
 from config.memory import (CUDA_CONTEXT_GIB, DTYPE_BYTES, GIB, QWEN3_SHAPES, ModelShape,  # noqa: F401 (re-exported)
-                           _activations_label, _checkpointing_note, activation_gib, fp32_masters_gib,
-                           kv_bytes_per_token, learner_state_gib, logits_gib, model_shape,
-                           startup_and_checkpoint_phases, zero3_gather_gib)
+                           _checkpointing_note, kv_bytes_per_token, learner_asleep_awake_gib, learner_build_gib,
+                           learner_state_gib, model_shape, shared_async_budget, shared_async_phases,
+                           startup_and_checkpoint_phases, vllm_awake_gib)
 from config.placement import ActorSlot, Placement, make_placement
 
 # ---------------------------------------------------------------------------------------------
@@ -162,11 +177,13 @@ class Plan:
             lines += ["", f"memory per GPU, GiB — {g.role} GPUs ({len(g.gpus)}: {_gpu_list(g.gpus)}):"]
             phases = list(g.phases)
             components = list(dict.fromkeys(c for p in phases for c in g.phases[p]))
-            lines.append(f"  {'component':<30}" + "".join(f"{p:>13}" for p in phases))
+            cw = max([30] + [len(c) + 1 for c in components])
+            ws = [max(13, len(p) + 2) for p in phases]
+            lines.append(f"  {'component':<{cw}}" + "".join(f"{p:>{w}}" for p, w in zip(phases, ws)))
             for c in components:
-                lines.append(f"  {c:<30}" + "".join(
-                    f"{g.phases[p][c]:>13.2f}" if c in g.phases[p] else f"{'-':>13}" for p in phases))
-            lines.append(f"  {'total':<30}" + "".join(f"{g.phase_total(p):>13.2f}" for p in phases))
+                lines.append(f"  {c:<{cw}}" + "".join(
+                    f"{g.phases[p][c]:>{w}.2f}" if c in g.phases[p] else f"{'-':>{w}}" for p, w in zip(phases, ws)))
+            lines.append(f"  {'total':<{cw}}" + "".join(f"{g.phase_total(p):>{w}.2f}" for p, w in zip(phases, ws)))
             lines.append(f"  peak {g.peak_gib:.2f} GiB in {g.peak_phase} (limit {self.gpu_memory_gib:g})")
         if self.facts:
             lines += ["", "facts:"] + [f"  {k}: {_fmt(v)}" for k, v in self.facts.items()]
@@ -334,41 +351,38 @@ def make_plan(cfg: RunConfig, recipe: str | None = None) -> Plan:
 
     # learner per rank
     states = learner_state_gib(cfg, n, divisor)
-    asleep = {"learner weights": states["learner weights"]}
-    if lr.zero_stage < 3:  # DeepSpeed keeps the gradient buffers of stages 0-2 allocated between steps
-        asleep["learner grads"] = states["learner grads"]
-    if not lr.offload_optimizer:
-        asleep["learner optimizer"] = states["learner optimizer"]
-    asleep["learner CUDA context"] = CUDA_CONTEXT_GIB
-    awake = dict(states)
-    if lr.zero_stage >= 3:
-        awake["ZeRO-3 gather working set"] = zero3_gather_gib(cfg, shape)
-    awake[_activations_label(cfg, shape)] = \
-        activation_gib(cfg, shape)
-    awake["logits peak" + (" (liger chunks)" if lr.use_liger else " (full fp32)")] = logits_gib(cfg, shape)
-    awake["learner CUDA context"] = CUDA_CONTEXT_GIB
+    asleep, awake = learner_asleep_awake_gib(cfg, shape, divisor)
+    build = learner_build_gib(cfg, n, divisor)
     vllm_asleep = {"vLLM CUDA context (asleep)": CUDA_CONTEXT_GIB}
     if gen.sleep_level == 1:
         vllm_asleep["vLLM weights kept (sleep_level 1)"] = vllm_shard
         vllm_asleep["vLLM KV kept (sleep_level 1)"] = max(0.0, kv_budget)
     bucket = 2 * cfg.coordinator.weight_bucket_mb / 1024
 
-    vllm_awake = {"vLLM weights shard": vllm_shard, "vLLM KV cache": max(0.0, kv_budget)}
-    if kv_budget < 0:
-        vllm_awake = {"vLLM weights shard": vllm_shard}
+    vllm_awake = vllm_awake_gib(cfg, shape)
     gpu_memory: list[GpuMemory] = []
     engine_set = set(engine_gpus)
-    if mode == "colocated":
+    if mode == "colocated" or placement.shared:
         shared = [x for x in all_gpus if x in engine_set]
         alone = [x for x in all_gpus if x not in engine_set]
-        if shared:
+        if shared and placement.shared:
+            phases = shared_async_phases(build, vllm_awake, awake, bucket)
+            gpu_memory.append(GpuMemory("engine+learner", shared, phases))
+            vllm_total, learner_total = sum(vllm_awake.values()), sum(awake.values()) + bucket
+            facts["per-process budget, GiB: vLLM (fraction + context)"] = round(vllm_total, 2)
+            facts["per-process budget, GiB: learner (the rest of the GPU)"] = round(mem - vllm_total, 2)
+            facts["learner awake + weight buckets, GiB"] = round(learner_total, 2)
+            why = shared_async_budget(cfg, vllm_total, learner_total)
+            if why:
+                errors.append(why)
+        elif shared:
             generation = {**vllm_awake, **asleep}
             gpu_memory.append(GpuMemory("engine+learner", shared, {
                 "generation": generation,
-                "weight_sync": {"vLLM weights shard": vllm_shard, **asleep, "weight buckets (x2)": bucket},
+                "weight_sync": {"vLLM weights shard": vllm_shard, "vLLM CUDA context": CUDA_CONTEXT_GIB, **asleep,
+                                "weight buckets (x2)": bucket},
                 "training": {**vllm_asleep, **awake},
-                **startup_and_checkpoint_phases(cfg, generation, states["learner optimizer"],
-                                                fp32_masters_gib(cfg, n, divisor)),
+                **startup_and_checkpoint_phases(cfg, build, generation, states["learner optimizer"]),
             }))
         if alone:
             gpu_memory.append(GpuMemory("learner", alone, {"generation": dict(asleep),
@@ -395,13 +409,18 @@ def make_plan(cfg: RunConfig, recipe: str | None = None) -> Plan:
     notes = [f"learner ZeRO-{lr.zero_stage} over {world} ranks; T = {cfg.assembler.micro_batch_tokens} tokens "
              f"per micro-batch per rank; gradient checkpointing {_checkpointing_note(cfg, shape)}; "
              f"liger {'on' if lr.use_liger else 'off'}"]
+    if placement.shared:
+        notes.append("async on shared GPUs: the engine and the learner rank share each GPU and neither sleeps "
+                     "(vLLM's weights and KV cache and the learner's state stay resident; the learner is built and "
+                     "asleep before the engine starts); weights go over CUDA IPC between steps while the engine "
+                     "parks its requests")
     if mode == "colocated":
         notes.append(f"vLLM sleep_level {gen.sleep_level}: " + (
             "weights and KV released while the learner trains (and during a warm start; the learner sleeps "
             "before step 1, the engines before the final checkpoint)" if gen.sleep_level == 2 else
             "planned as keeping vLLM's whole fraction resident (the seed measured ~64 GiB resident and "
             "an OOM at 32B); prefer sleep_level 2"))
-    if lr.offload_optimizer:
+    if lr.offload_optimizer and not placement.shared:
         per_node = max(sum(1 for nd, _ in learner_gpus if nd == node) for node in range(cl.num_nodes))
         notes.append(f"optimizer offloaded to host RAM while asleep: {states['learner optimizer'] * per_node:.1f} "
                      f"GiB per node")

@@ -74,9 +74,33 @@ def test_async_engines_and_ranks_on_separate_bundles():
     assert p.bundles[0][0] == {"GPU": 1.0, "CPU": 1.0}  # generator.num_cpus alone
 
 
+def test_async_with_engines_on_every_gpu_shares_them_with_the_learner_ranks():
+    """gpu1_0p6b coordinator.mode=async: one GPU, one engine: the rank and the engine share its bundle
+    0.5/0.5 (as colocated ones do), the weights go over CUDA IPC, and nothing is an error."""
+    p = make_placement(cfg_for("gpu1_0p6b", "coordinator.mode=async", "assembler.max_staleness=1"))
+    assert not p.errors and p.shared and p.gpu_shared and p.weight_sync == "cuda_ipc" and p.learner_world_size == 1
+    check_invariants(p)
+    assert p.bundles == [[{"GPU": 1.0, "CPU": 2.0}, {"CPU": 1.0}]]
+    (engine,), (rank,) = p.by_role("generator"), p.by_role("learner")
+    assert (engine.bundle, engine.gpus, engine.num_gpus) == (rank.bundle, rank.gpus, rank.num_gpus) == (0, (0,), 0.5)
+    assert make_placement(cfg_for("gpu1_0p6b_async")).to_dict() == p.to_dict()
+    full = make_placement(cfg_for("bird_32b", "coordinator.mode=async"))  # 8 x TP 4 on 32 GPUs: all shared
+    assert not full.errors and full.shared and full.learner_world_size == 32 and full.weight_sync == "cuda_ipc"
+    check_invariants(full)
+    # GPUs left for the learner: separate GPUs, as before; colocated is never "shared" async
+    assert not make_placement(cfg_for("bird_32b", "coordinator.mode=async", "generator.num_engines=4")).shared
+    colo = make_placement(cfg_for("gpu1_0p6b"))
+    assert not colo.shared and colo.gpu_shared and not make_placement(cfg_for("tiny")).gpu_shared
+
+
+def test_nccl_between_an_engine_and_a_rank_sharing_a_gpu_is_a_config_error():
+    with pytest.raises(ConfigError, match="'coordinator.weight_sync': nccl cannot broadcast") as e:
+        make_placement(cfg_for("gpu1_0p6b_async", "coordinator.weight_sync=nccl"))
+    assert "async on shared GPUs" in str(e.value) and "\n" not in str(e.value)
+    assert make_placement(cfg_for("gpu1_0p6b_async", "coordinator.weight_sync=cuda_ipc")).weight_sync == "cuda_ipc"
+
+
 def test_impossible_placements_are_errors_not_exceptions():
-    full = make_placement(cfg_for("bird_32b", "coordinator.mode=async"))
-    assert any("async mode needs GPUs of its own" in e for e in full.errors)
     wide = make_placement(cfg_for("bird_32b", "generator.tensor_parallel_size=16", "generator.num_engines=2"))
     assert any("never crosses a node" in e for e in wide.errors)
 

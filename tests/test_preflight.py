@@ -80,9 +80,19 @@ class _StandIn(Probe):
     def __init__(self, *args, device_ids=None, **kwargs):
         super().__init__("stand-in")
         self.device_ids = device_ids
+        self.built_at, self.slept_at = time.time(), None
 
     def listen(self):  # LearnerGroup's rendezvous calls
         return "127.0.0.1", 0
+
+    def sleep(self, *args):  # the learner's, before engines start on its GPU (launch.place.create_actors)
+        self.slept_at = time.time()
+
+    def memory(self):  # a GPU process answers actors/device_memory.py's stats; no device here
+        return {"reserved_gib": 0.0}
+
+    def times(self):
+        return self.built_at, self.slept_at
 
     def join(self, host, port):
         return None

@@ -108,15 +108,20 @@ class WeightSyncHandshake:
         """Before the first step. Colocated, the learner goes to sleep first (optimizer state to the host
         where configured, its cache emptied), as it is between steps, so step 1 generates beside a sleeping
         learner, not an awake one. After a warm start (which ran with colocated engines asleep) the
-        generators hold the initial weights: wake them, give them version 0, let them pull again."""
-        if self.cfg.coordinator.mode == "colocated":
+        generators hold the initial weights: wake them (colocated: they slept through the warm start; async
+        engines never sleep, on GPUs of their own or sharing the learner's), give them version 0, let them
+        pull again."""
+        colocated = self.cfg.coordinator.mode == "colocated"
+        if colocated:
             await _ask(self.learner.sleep)
         if not warm_start_metrics:
             return
         if self.log is not None:
             self.log.info("warm-start done", **{k: round(v, 4) for k, v in warm_start_metrics.items()})
-        await asyncio.gather(*(_ask(g.wake, ["weights"]) for g in self.generators))
+        if colocated:
+            await asyncio.gather(*(_ask(g.wake, ["weights"]) for g in self.generators))
         await self.sync_weights(self.version)
         await asyncio.gather(*(_ask(g.set_version, self.version) for g in self.generators))
-        await asyncio.gather(*(_ask(g.wake, ["kv_cache"]) for g in self.generators))
+        if colocated:
+            await asyncio.gather(*(_ask(g.wake, ["kv_cache"]) for g in self.generators))
         await asyncio.gather(*(_ask(g.resume) for g in self.generators))  # sleep paused them

@@ -166,6 +166,11 @@ class Engine(abc.ABC):
     async def close(self) -> None:  # optional
         return None
 
+    async def memory(self) -> dict[str, float]:
+        """The engine's device memory (actors/device_memory.py: GiB, peaks since the last call); {} where it
+        holds none (CPU, simulated)."""
+        return {}
+
 
 class DeferredEngine(Engine):
     """An engine not built until its first wake(): what a colocated generator that Ray restarted
@@ -263,6 +268,9 @@ class DeferredEngine(Engine):
     async def close(self) -> None:
         if self.engine is not None:
             await self.engine.close()
+
+    async def memory(self) -> dict[str, float]:
+        return await self.engine.memory() if self.engine is not None else {}
 
 
 def check_wake_tags(tags: list[str] | None) -> list[str]:

@@ -403,6 +403,11 @@ class TransformersEngine(WeightsMixin, Engine):
             "simulated": 0.0,
         }
 
+    async def memory(self) -> dict[str, float]:
+        from actors.device_memory import memory_stats
+
+        return memory_stats(self.device, reset_peak=True)
+
     async def close(self) -> None:
         self.abort()
         if self._task is not None and not self._task.done():

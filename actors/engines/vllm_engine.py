@@ -255,10 +255,12 @@ class VLLMEngine(PartialRequests, Engine):
 
     # -- weight updates: every one runs in vLLM's workers (actors/engines/vllm_worker.py) ----------
 
-    async def _rpc(self, method: str, *args: Any, timeout: float | None = 600.0) -> list:
+    async def _rpc(self, method: str, *args: Any, timeout: float | None = 600.0, timed: bool = True) -> list:
+        """A worker extension method in every worker; `timed`: its seconds count as weight loading."""
         started = time.perf_counter()
         results = await self.llm.collective_rpc(method=method, timeout=timeout, args=args)
-        self._load_s += time.perf_counter() - started
+        if timed:
+            self._load_s += time.perf_counter() - started
         return results
 
     async def in_workers(self, key: Any, op: str, *args: Any, timeout: float | None = 600.0) -> list:
@@ -300,6 +302,11 @@ class VLLMEngine(PartialRequests, Engine):
                 "engine_weight_load_s": float(self._load_s), "simulated": 0.0,
                 "engine_prompt_tokens": float(m["prompt_tokens"]), "engine_cached_prompt_tokens": float(m["cached_tokens"]),
                 "engine_prefix_cache_hit_rate": m["cached_tokens"] / m["prompt_tokens"] if m["prompt_tokens"] else 0.0}
+
+    async def memory(self) -> dict[str, float]:
+        """Its first worker's view (actors/device_memory.py; the device's use is the whole GPU's)."""
+        stats = await self._rpc("arl_memory", True, timeout=60.0, timed=False)
+        return dict(stats[0]) if stats else {}
 
     async def close(self) -> None:
         self.llm.shutdown()

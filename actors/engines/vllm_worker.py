@@ -25,18 +25,8 @@ from typing import Any
 
 import torch
 
+from actors.device_memory import memory_stats
 from weights.endpoint import on_worker
-
-
-def memory_stats(device: Any) -> dict[str, float]:
-    """This process's view of its GPU (GiB): the allocator's allocated/reserved, the device's used."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return {}
-    free, total = torch.cuda.mem_get_info(device)
-    return {"allocated_gib": torch.cuda.memory_allocated(device) / 2**30,
-            "reserved_gib": torch.cuda.memory_reserved(device) / 2**30,
-            "device_used_gib": (total - free) / 2**30}
 
 
 class WeightLoaderExtension:
@@ -63,5 +53,5 @@ class WeightLoaderExtension:
             torch.cuda.empty_cache()
         return memory_stats(device)
 
-    def arl_memory(self) -> dict[str, float]:
-        return memory_stats(self.arl_device())
+    def arl_memory(self, reset_peak: bool = False) -> dict[str, float]:
+        return memory_stats(self.arl_device(), reset_peak)

@@ -142,6 +142,10 @@ class GeneratorShell:
     async def stats(self) -> dict[str, float]:
         return self.gen.stats()
 
+    async def memory(self) -> dict[str, float]:
+        """Its engine's device memory (GiB, peaks since the last call; {} on CPU)."""
+        return await self.gen.engine.memory()
+
     async def receive_weights(self, call: Any) -> Any:
         """One step of a weight sync (a weights.WeightsCall from the coordinator); a step that completes
         a sync ends the engine's update under its version."""

@@ -371,6 +371,13 @@ class LearnerEngine:
             torch.cuda.empty_cache()
         self.asleep = True
 
+    def memory(self) -> dict[str, float]:
+        """This rank's device memory (actors/device_memory.py: GiB; the allocator's peaks since the last
+        call); {} on CPU."""
+        from actors.device_memory import memory_stats
+
+        return memory_stats(self.device, reset_peak=True)
+
     def wake(self) -> None:
         if not self.asleep:
             return

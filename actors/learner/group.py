@@ -130,6 +130,10 @@ class LearnerGroup:
     async def export_hf(self, path: str) -> str:
         return (await self._all("export_hf", path))[0]
 
+    async def memory(self) -> dict:
+        """Rank 0's device memory (GiB, peaks since the last call; {} on CPU)."""
+        return await self._rank0("memory")
+
     async def get_step(self) -> int:
         return await self._rank0("get_step")
 

@@ -211,6 +211,9 @@ class LearnerShell:
     def export_hf(self, path: str) -> str:
         return self.learner.export_hf(path)
 
+    def memory(self) -> dict:
+        return self.learner.memory()
+
     def get_step(self) -> int:
         return self.learner.step
 
