@@ -14,10 +14,12 @@ every 200 ms; run_root outside $OUT):
                                   generates step s+1 while step s trains (max_staleness 1), parks its
                                   requests at each update and continues them (partial rollouts), CUDA IPC,
                                   TIS at 2
-To fit both runs in one call (the device's 10 minutes), EXTRA defaults to a shorter run of both recipes
-alike: a 200-step warm start (the recipe's 400 take ~165 s a run), 16 RL steps, held-out evaluation at
-steps 0, 8 and 16 (`coordinator.steps=16 coordinator.eval_every=8 model.tiny_sft_steps=200`). FULL=1 runs
-the recipes unchanged (EXTRA empty): ~6 minutes a mode, so one mode a call.
+To fit both runs in one call (the device's 10 minutes: each run also pays ~2 minutes of start-up, the task
+and model built, the learner then the engine), EXTRA defaults to a shorter run of both recipes alike: a
+200-step warm start (the recipe's 400 took ~165 s a run), 12 RL steps, held-out evaluation at steps 0, 6
+and 12 (`coordinator.steps=12 coordinator.eval_every=6 model.tiny_sft_steps=200`); async runs first, so
+the new path gets the fresh budget. FULL=1 runs the recipes unchanged (EXTRA empty): ~6 minutes a mode,
+so one mode a call.
 
 $OUT (rewritten after each mode, so a call cut short keeps the modes it finished):
     async.md / async.json   one row per mode: wall, steps, samples/s (whole step: trained samples / step
@@ -27,7 +29,7 @@ $OUT (rewritten after each mode, so a call cut short keeps the modes it finished
                             requests parked at updates (async), device memory (before step 1, steps 2..N),
                             the start-up memory marks, and the async/colocated ratio of samples/s
     runs.tar.gz             per mode: metrics.jsonl, config.json, logs/*.jsonl, console, mem.csv
-Env: MODES ("colocated async"), SEED (0), EXTRA (see above; FULL=1: none), RUN_TIMEOUT_S (330 a mode; FULL: 480),
+Env: MODES ("async colocated"), SEED (0), EXTRA (see above; FULL=1: none), RUN_TIMEOUT_S (330 a mode; FULL: 480),
 BUDGET_S (570: the whole call; a mode that would not fit is skipped and named), OUT (./bench_out), RUN_ROOT.
 This process needs only the standard library (as bench/gpu_recipe.py). Exit 0 when every mode that ran exited 0.
 """
@@ -46,9 +48,9 @@ SMOKE = gr.SMOKE
 FULL = os.environ.get("FULL", "") not in ("", "0")
 RECIPES = {"colocated": "tiny" if SMOKE else "gpu1_0p6b", "async": "tiny" if SMOKE else "gpu1_0p6b_async"}
 MODE_OVERRIDES = {"colocated": [], "async": ["coordinator.mode=async", "assembler.max_staleness=1"] if SMOKE else []}
-MODES = os.environ.get("MODES", "colocated async").split()
+MODES = os.environ.get("MODES", "async colocated").split()  # the new path first: it gets the fresh budget
 SEED = int(os.environ.get("SEED", "0"))
-SHORT = "coordinator.steps=16 coordinator.eval_every=8 model.tiny_sft_steps=200"
+SHORT = "coordinator.steps=12 coordinator.eval_every=6 model.tiny_sft_steps=200"
 EXTRA = os.environ.get("EXTRA", "" if FULL or SMOKE else SHORT).split()
 RUN_TIMEOUT_S = float(os.environ.get("RUN_TIMEOUT_S", "480" if FULL else "330"))
 BUDGET_S = float(os.environ.get("BUDGET_S", "570"))
@@ -81,7 +83,7 @@ def write(results: list[dict], notes: list[str]) -> None:
     (out / "async.json").write_text(json.dumps({"modes": MODES, "seed": SEED, "extra": EXTRA, "smoke": SMOKE,
                                                 "results": results, "notes": notes}, indent=1))
     lines = [f"# gpu1_0p6b colocated vs async, seed {SEED}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-             "", f"overrides (both modes): {' '.join(EXTRA) or '(none: the recipes as they are)'}", "",
+             "", f"overrides (both modes): {' '.join((gr.SMOKE_OVERRIDES if SMOKE else []) + EXTRA) or '(none)'}", "",
              *gr.table(COLUMNS, results, notes)]
     (out / "async.md").write_text("\n".join(lines) + "\n")
     gr.pack_runs(out / "runs.tar.gz", results)
@@ -103,7 +105,8 @@ def main() -> int:
             notes.append(f"mode {mode} not run: {left:.0f} s of BUDGET_S={BUDGET_S:g} left (run it in its own call: "
                          f"MODES={mode})")
             break
-        r = gr.run_seed(SEED, min(RUN_TIMEOUT_S, left), recipe=RECIPES[mode], extra=[*MODE_OVERRIDES[mode], *EXTRA])
+        r = gr.run_seed(SEED, min(RUN_TIMEOUT_S, left), recipe=RECIPES[mode], extra=[*MODE_OVERRIDES[mode], *EXTRA],
+                        tag=f"-{mode}")
         r["mode"] = mode
         r["interrupted_requests"] = parked_per_step(gr.KEEP / r["run_id"])
         results.append(r)

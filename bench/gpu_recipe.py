@@ -106,10 +106,12 @@ class MemorySampler:
         return self.samples
 
 
-def run_seed(seed: int, timeout_s: float, recipe: str | None = None, extra: list[str] | None = None) -> dict:
-    """One launcher run of `recipe` (RECIPE) with `extra` overrides (EXTRA) at `seed`, kept under KEEP/<run id>."""
+def run_seed(seed: int, timeout_s: float, recipe: str | None = None, extra: list[str] | None = None,
+             tag: str = "") -> dict:
+    """One launcher run of `recipe` (RECIPE) with `extra` overrides (EXTRA) at `seed`, kept under
+    KEEP/<run id> (`<recipe><tag>-s<seed>`)."""
     recipe = recipe or RECIPE
-    run_id = f"{recipe}-s{seed}"
+    run_id = f"{recipe}{tag}-s{seed}"
     shutil.rmtree(RUN_ROOT / run_id, ignore_errors=True)
     cmd = [sys.executable, "-m", "launch.cluster", recipe, f"seed={seed}", f"run_root={RUN_ROOT}", f"run_id={run_id}",
            *(SMOKE_OVERRIDES if SMOKE else []), *(EXTRA if extra is None else extra)]
