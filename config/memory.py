@@ -165,14 +165,6 @@ def kv_bytes_per_token(shape: ModelShape, tp: int, bytes_per: int) -> int:
     return 2 * shape.num_layers * kv_heads_per_gpu * shape.head_dim * bytes_per
 
 
-def fp32_masters_gib(cfg: RunConfig, n_params: int, world: int) -> float:
-    """The fp32 master weights of bf16 mixed precision (part of the optimizer's 12 bytes per parameter),
-    which DeepSpeed allocates when the learner is built; ZeRO-1+ divides them by the world. 0 in fp32."""
-    if cfg.learner.dtype != "bfloat16":
-        return 0.0
-    return 4 * n_params / (world if cfg.learner.zero_stage >= 1 else 1) / GIB
-
-
 def learner_asleep_awake_gib(cfg: RunConfig, shape: ModelShape, world: int) -> tuple[dict[str, float], dict[str, float]]:
     """(asleep, awake) components of one learner rank (GiB): launch/plan.py's docstring has the formulas."""
     lr = cfg.learner

@@ -424,7 +424,7 @@ def make_plan(cfg: RunConfig, recipe: str | None = None) -> Plan:
         per_node = max(sum(1 for nd, _ in learner_gpus if nd == node) for node in range(cl.num_nodes))
         notes.append(f"optimizer offloaded to host RAM while asleep: {states['learner optimizer'] * per_node:.1f} "
                      f"GiB per node")
-    for g in gpu_memory:  # what the run's start holds at most: the start-up phase where there is one
+    for g in gpu_memory:  # what the run's start holds at most: every phase but a mid-run checkpoint
         facts[f"{g.role} GPU peak before step 1, GiB"] = round(max(
             g.phase_total(p) for p in g.phases if p not in ("checkpoint",)), 2)
     plan = Plan(recipe, mode, shape, n, mem, total_gpus, world, placements, gpu_memory, facts, notes, errors,

@@ -433,6 +433,13 @@ def test_checkpoint_written_while_asleep_resumes_exactly_and_lr_is_the_step_s_ow
     m_resumed = resumed.train_step(b2)
     assert m_resumed["grad_norm"] == pytest.approx(m_through["grad_norm"], rel=1e-6)
     assert_params_close(params(run), params(resumed), atol=1e-6)
+    # The launcher's order on a shared GPU: built, put to sleep, then resumed from the checkpoint.
+    asleep = make_learner(model_dir, **kw)
+    asleep.sleep()
+    assert asleep.load(str(tmp_path / "ckpt")) == 1 and asleep.asleep
+    m_asleep = asleep.train_step(b2)
+    assert m_asleep["grad_norm"] == pytest.approx(m_through["grad_norm"], rel=1e-6)
+    assert_params_close(params(run), params(asleep), atol=1e-6)
 
 
 async def test_a_batch_delivered_while_waiting_but_never_seen_is_found_in_pending(redis_url):

@@ -318,7 +318,15 @@ class LearnerEngine:
 
     def load(self, path: str) -> int:
         """Restores what `save` wrote; returns the training step it resumes at. A checkpoint of
-        another world size is refused in one line naming both (no universal-checkpoint conversion)."""
+        another world size is refused in one line naming both (no universal-checkpoint conversion).
+        Asleep, the optimizer state comes back to the device for the load and goes to the host again
+        after, as in `save`: the loaded state is what the next wake brings back."""
+        if self.asleep:  # the launcher puts a learner to sleep before engines start on its GPU: load awake
+            self.wake()
+            try:
+                return self.load(path)
+            finally:
+                self.sleep()
         marker = os.path.join(path, WORLD_FILE)
         saved = json.load(open(marker))["world_size"] if os.path.exists(marker) else 1
         if saved != self.world_size:
