@@ -20,8 +20,9 @@ relaunch places afresh. CPU recipes use no group; their CPU requests must fit th
 (else PlacementFailed at once, not an actor pending forever).
 
 Start-up order: where a learner rank shares its GPU with an engine (colocated, or async on shared GPUs),
-the learner is built and asleep before any engine is created (create_actors); a colocated warm start runs
-with the engines asleep. Each start-up phase boundary is logged with its device memory
+the learner is built and asleep before any engine is created (create_actors), and the warm start begins
+only once every engine is built (its start-up profile done); a colocated warm start runs with the engines
+asleep. Each start-up phase boundary is logged with its device memory
 (launch/startup_memory.py: one `start-up memory` line per phase in logs/launcher.jsonl).
 """
 from __future__ import annotations
@@ -152,6 +153,10 @@ def _drive(cfg: RunConfig, ctx: RunContext, model_path: str, train_items: list, 
         loops += [a.run.remote() for a in [*generators, *scorers]]
         ray.get(assembler.start.remote())
         asyncio.run(learner.connect())
+        if placement.gpu_shared:  # the learner trains (warm start) only once every engine's start-up profile is done
+            from launch.startup_memory import STARTUP_TIMEOUT_S
+
+            ray.get([g.pid.remote() for g in generators], timeout=STARTUP_TIMEOUT_S)
         memory = memory or StartupMemory(log, False)
         memory.mark("engines built", learner, generators)
         coordinator = spawn(Coordinator, cfg, ctx,
