@@ -19,6 +19,8 @@ from queues.messages import (SCHEMA, PromptTask, RolloutGroup, Sample, ScoredGro
 from tests.test_learner import TEMPERATURE, model_dir  # noqa: F401 - model_dir: a fixture
 from tests.test_shared_prefix import _assert_same_step, batch_of, make_learner, per_sample_logprobs
 
+pytestmark = pytest.mark.usefixtures("learner_process_env")  # it builds Learners in this process
+
 ROW_FIELDS = ("input_ids", "position_ids", "target_ids", "loss_mask", "completion_mask", "sample_index",
               "token_index", "segment_ids", "branch_ids")
 

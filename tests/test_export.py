@@ -10,6 +10,8 @@ import torch
 from launch.export import (ExportError, begin_export, checkpoints_to_prune, commit_export, export_dir,
                            latest_export, prune_checkpoints, read_settings)
 
+pytestmark = pytest.mark.usefixtures("learner_process_env")  # it builds Learners in this process
+
 
 def test_pruning_keeps_the_newest_and_always_the_latest():
     names = [f"step_{i:06d}" for i in (4, 9, 14, 19)] + ["latest", "step_x", "notes"]

@@ -12,6 +12,8 @@ from config import LearnerConfig, ModelConfig
 from policies.packing import plan_micro_batches, split_minibatches
 from queues.messages import TrainBatch, TrainGroup, pack_floats, pack_ids
 
+pytestmark = pytest.mark.usefixtures("learner_process_env")  # it builds Learners in this process
+
 TEMPERATURE = 0.7
 MODEL_CFG = ModelConfig(dtype="float32", attn_implementation="sdpa")
 

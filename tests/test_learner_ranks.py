@@ -12,6 +12,8 @@ from policies.shard import split_across_ranks
 from tests.conftest import ray_cluster
 from tests.test_learner import MODEL_CFG, TEMPERATURE, make_batch, model_dir  # noqa: F401 - model_dir: a fixture
 
+pytestmark = pytest.mark.usefixtures("learner_process_env")  # it builds Learners in this process
+
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_split_runs_every_micro_batch_once_with_equal_calls_balanced_by_tokens(world_size):

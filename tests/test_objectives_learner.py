@@ -7,6 +7,8 @@ import pytest
 
 from tests.test_learner import assert_params_close, make_batch, make_learner, model_dir, params  # noqa: F401
 
+pytestmark = pytest.mark.usefixtures("learner_process_env")  # it builds Learners in this process
+
 OBJECTIVES = [("ppo_clip", "token-mean"), ("gspo", "seq-mean-token-mean"), ("cispo", "token-mean"),
               ("ppo_clip", "seq-mean-token-sum-norm")]
 

@@ -9,6 +9,8 @@ from policies.grpo import policy_loss
 from policies.offpolicy import importance_weights
 from tests.test_learner import make_batch, make_learner, model_dir  # noqa: F401 - model_dir is a fixture
 
+pytestmark = pytest.mark.usefixtures("learner_process_env")  # it builds Learners in this process
+
 
 def _batch(seed=0, samples=6, max_len=8, spread=0.8):
     """[B, L] log-probs: behaviour far enough from proximal that every mode truncates or masks."""

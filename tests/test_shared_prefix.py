@@ -13,6 +13,8 @@ from policies.prefix import group_runs, pack_shared, part_tokens, plan_group_mic
 from queues.messages import TrainBatch, TrainGroup, pack_floats, pack_ids, unpack_ids
 from tests.test_learner import MODEL_CFG, TEMPERATURE, model_dir  # noqa: F401 - model_dir: a fixture
 
+pytestmark = pytest.mark.usefixtures("learner_process_env")  # it builds Learners in this process
+
 
 # ----------------------------------------------------------------------------- layout and mask (pure)
 
