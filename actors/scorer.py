@@ -33,7 +33,8 @@ from config import RunContext, ScorerConfig
 from observe.logs import setup_actor_logging
 from policies.sql_reward import BAD_DB_PATH, GENERATION_ERROR, extract_sql, reward_for, shaped_reward
 from queues.messages import RolloutGroup, SchemaError, ScoredGroup, codec
-from tasks.sandbox import GoldCache, SqlPool, score_group
+from tasks.sandbox import GoldCache, score_group
+from tasks.sql_pool import SqlPool
 
 log = structlog.get_logger("arctic_rl.scorer")
 

@@ -21,6 +21,10 @@ Invariants:
 - The actor's process title is `ray::<class name>` (what bench/chaos targets).
 - `call(handle, method, ...)` awaits a method alike on a Ray actor handle or on the plain object
   itself, which is how the coordinator's code runs unchanged in tests without Ray.
+- Every wait on an actor has a bound: `call_within` (async) and `get_within` (ray.get) end a call that
+  did not return in time with `ActorCallTimeout`, one line naming the actor and the call. A frozen
+  actor (SIGSTOP, a stuck device, a lost node) is not dead to Ray, so nothing else would end the wait;
+  the launcher treats the timeout as a death (launch/run.py actor_died: relaunch or one line).
 """
 from __future__ import annotations
 
@@ -49,6 +53,44 @@ def spawn(cls: type, section: Any, ctx: Any, *, options: dict[str, Any] | None =
     """The Ray actor `cls(section, ctx, **specifics)`, with the class's RAY_OPTIONS and the caller's
     `options` (name, resources, scheduling strategy)."""
     return ray_actor(cls).options(**(options or {})).remote(section, ctx, **specifics)
+
+
+class ActorCallTimeout(RuntimeError):
+    """A call to an actor that did not return within its bound: the actor is frozen or overloaded."""
+
+    @classmethod
+    def of(cls, what: str, timeout_s: float) -> "ActorCallTimeout":
+        return cls(f"{what} did not return within {timeout_s:g} s (the actor is frozen or overloaded)")
+
+
+async def await_within(awaitable: Any, timeout_s: float, what: str) -> Any:
+    """`awaitable` bounded by `timeout_s`: its result, or ActorCallTimeout naming `what` (actor.method).
+    An error the awaitable itself raises (a TimeoutError of its own included) passes as is."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    finally:
+        if not task.done():
+            task.cancel()  # timed out, or our caller was cancelled: stop awaiting (a Ray task goes on)
+    if not done:
+        raise ActorCallTimeout.of(what, timeout_s)
+    return task.result()
+
+
+async def call_within(timeout_s: float, label: str, handle: Any, method: str, *args, **kwargs) -> Any:
+    """`call(handle, method, ...)` bounded by `timeout_s` (ActorCallTimeout "<label>.<method> ...")."""
+    return await await_within(call(handle, method, *args, **kwargs), timeout_s, f"{label}.{method}")
+
+
+def get_within(refs: Any, timeout_s: float, what: str) -> Any:
+    """ray.get(refs) bounded by `timeout_s`; ActorCallTimeout naming `what` (actor.method) after it."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except GetTimeoutError:
+        raise ActorCallTimeout.of(what, timeout_s) from None
 
 
 async def call(handle: Any, method: str, *args, **kwargs) -> Any:

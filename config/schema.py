@@ -233,6 +233,15 @@ class CoordinatorConfig(_Section):
     eval_every: int = 0  # 0: never
     resume: bool = False
     step_timeout_s: float = 3600.0
+    # Every call the coordinator and the launcher make to an actor (a generator's sleep / wake / pause /
+    # resume / set_version / weight-sync step, the learner's wake / sleep / save / load / export / weight-sync
+    # step, each learner rank's part of them, the assembler's bookkeeping, a liveness ping of the coordinator)
+    # returns within this, on top of the wait the call is given itself (a sleep's or pause's
+    # generator.pause_timeout_s, a collect's or a training step's step_timeout_s). One that does not (a frozen
+    # actor: alive to Ray, silent) fails like a death: the run relaunches from its latest checkpoint
+    # (cluster.max_relaunches) or ends with one line naming the actor and the call. Long enough for the
+    # slowest healthy call: a 32B checkpoint shard or HF export written.
+    call_timeout_s: float = 1800.0
     time_budget_s: float = 0.0  # stop after this many seconds of training (0: no budget)
     num_cpus: float = 0.25
 

@@ -139,6 +139,9 @@ def check(cfg: RunConfig) -> None:
     need(cfg.generator.tool_max_rows >= 0, "generator.tool_max_rows", "must be >= 0 (0: the scorer's max_rows)")
     need(cfg.coordinator.prompts_per_step >= 1, "coordinator.prompts_per_step", "must be >= 1")
     need(cfg.coordinator.steps >= 0, "coordinator.steps", "must be >= 0")
+    need(cfg.coordinator.step_timeout_s > 0, "coordinator.step_timeout_s", "must be > 0")
+    need(cfg.coordinator.call_timeout_s > 0, "coordinator.call_timeout_s",
+         "must be > 0 (seconds a call to an actor may take before the actor counts as frozen)")
     need(cfg.coordinator.keep_checkpoints >= 0, "coordinator.keep_checkpoints", "must be >= 0 (0 keeps all)")
     need(cfg.coordinator.keep_exports >= 0, "coordinator.keep_exports", "must be >= 0 (0 keeps all)")
     need(cfg.assembler.max_staleness >= 0, "assembler.max_staleness", "must be >= 0")

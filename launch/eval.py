@@ -30,7 +30,8 @@ from pathlib import Path
 from policies.bird_eval import bird_outcome, ex_bird, soft_f1, time_ratio, ves_reward
 from policies.sql_reward import GOLD_FAILED, NO_SQL, reward_for, verdict_for
 from tasks.bird import BirdDataError, load_split
-from tasks.sandbox import ExecResult, SqlPool
+from tasks.sandbox import ExecResult
+from tasks.sql_pool import SqlPool
 
 _BIRD_SEP = "\t----- bird -----\t"
 DIFFICULTIES = ("simple", "moderate", "challenging")

@@ -24,6 +24,12 @@ the learner is built and asleep before any engine is created (create_actors), an
 only once every engine is built (its start-up profile done); a colocated warm start runs with the engines
 asleep. Each start-up phase boundary is logged with its device memory
 (launch/startup_memory.py: one `start-up memory` line per phase in logs/launcher.jsonl).
+
+Frozen actors (alive to Ray, silent: SIGSTOP, a stuck device, a lost node): every wait here is bounded
+by coordinator.call_timeout_s (actors.shell.get_within / call_within; the coordinator and the learner
+group bound their own calls; the coordinator itself answers a liveness ping, `watch_coordinator`). A
+wait past its bound raises ActorCallTimeout naming the actor and the call, which launch/run.py
+handles as a death.
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.shell import spawn
+from actors.shell import ActorCallTimeout, call_within, get_within, spawn
 from config import RunConfig, RunContext
 from config import layout
 from launch.startup_memory import StartupMemory
@@ -119,7 +125,9 @@ def create_learner(cfg: RunConfig, ctx: RunContext, model_path: str, total_steps
                            micro_batch_tokens=cfg.assembler.micro_batch_tokens,
                            temperature=cfg.generator.temperature, rank=r, world_size=n))
     try:
-        return LearnerGroup.joined(ranks, cfg.learner.zero_stage, JOIN_TIMEOUT_S if timeout_s is None else timeout_s)
+        return LearnerGroup.joined(ranks, cfg.learner.zero_stage, JOIN_TIMEOUT_S if timeout_s is None else timeout_s,
+                                   call_timeout_s=cfg.coordinator.call_timeout_s,
+                                   train_timeout_s=cfg.coordinator.step_timeout_s)
     except BaseException:
         LearnerGroup(ranks).kill()
         raise
@@ -142,27 +150,29 @@ def _drive(cfg: RunConfig, ctx: RunContext, model_path: str, train_items: list, 
            actors: tuple, placement, groups: list, memory: StartupMemory | None = None) -> dict[str, Any]:
     import asyncio
 
-    import ray
-
     from actors.coordinator.coordinator import Coordinator
 
     learner, generators, scorers, assembler = actors
     loops: list = []
     coordinator = None
     try:
+        wait_built({**{f"generator-{i}": g for i, g in enumerate(generators)},
+                    **{f"scorer-{i}": s for i, s in enumerate(scorers)}, "assembler": assembler,
+                    **{f"learner rank {r}": h for r, h in enumerate(learner.ranks)}})
         loops += [a.run.remote() for a in [*generators, *scorers]]
-        ray.get(assembler.start.remote())
-        asyncio.run(learner.connect())
+        get_within(assembler.start.remote(), cfg.coordinator.call_timeout_s, "assembler.start")
+        asyncio.run(learner.connect())  # the group bounds its ranks' calls
         if placement.gpu_shared:  # the learner trains (warm start) only once every engine's start-up profile is done
             from launch.startup_memory import STARTUP_TIMEOUT_S
 
-            ray.get([g.pid.remote() for g in generators], timeout=STARTUP_TIMEOUT_S)
+            get_within([g.pid.remote() for g in generators], STARTUP_TIMEOUT_S, "generators.pid (engine start-up)")
         memory = memory or StartupMemory(log, False)
         memory.mark("engines built", learner, generators)
         coordinator = spawn(Coordinator, cfg, ctx,
                             options=dict(name=f"{names}:coordinator", **actor_options(placement.actor("coordinator"), groups)),
                             train_items=train_items, eval_items=eval_items, generators=generators, learner=learner,
                             assembler=assembler)
+        wait_built({"coordinator": coordinator})
         return _drive_coordinator(cfg, Path(ctx.run_dir), model_path, train_items, log, learner, generators,
                                   coordinator, loops, memory)
     finally:
@@ -172,43 +182,95 @@ def _drive(cfg: RunConfig, ctx: RunContext, model_path: str, train_items: list, 
 def _drive_coordinator(cfg: RunConfig, run_dir: Path, model_path: str, train_items: list, log, learner,
                        generators: list, coordinator, loops: list, memory: StartupMemory | None = None) -> dict[str, Any]:
     """Warm start (or resume), the initial sync, then the coordinator's loop to its end, watching the
-    stream loops (one that ends on its own is an error). `memory` marks the start-up phases."""
-    import ray
+    stream loops (one that ends on its own is an error) and the coordinator's liveness (watch_coordinator).
+    `memory` marks the start-up phases. Every wait is bounded: the coordinator and the learner group bound
+    their own calls, the rest here."""
+    import asyncio
 
+    from actors.coordinator.bounds import call_bound
     from actors.coordinator.coordinator import Coordinator
     from launch.progress import Progress
 
     memory = memory or StartupMemory(log, False)
-    ray.get(coordinator.attach_metrics.remote())
+    bound = cfg.coordinator.call_timeout_s
+    get_within(coordinator.attach_metrics.remote(), bound, "coordinator.attach_metrics")
     latest = Coordinator.latest_checkpoint(run_dir) if cfg.coordinator.resume else None
     if latest is not None:
         log.info("resuming", checkpoint=str(latest))
-        ray.get(coordinator.resume_from.remote(latest))
+        watch_coordinator(coordinator, coordinator.resume_from.remote(latest), bound, loops)
     else:
         if cfg.coordinator.mode == "colocated" and will_warm_start(cfg):
             # The warm start trains with the engines asleep (weights and KV released), never beside a
             # resident engine: the device's start-up peak stays that of a training step, not both at once.
-            ray.get([g.sleep.remote(cfg.generator.sleep_level) for g in generators])
+            async def sleep_all():
+                await asyncio.gather(*(call_within(call_bound(cfg, "generator", "sleep"), f"generator-{i}", g, "sleep",
+                                                   cfg.generator.sleep_level) for i, g in enumerate(generators)))
+            asyncio.run(sleep_all())
             memory.mark("engines asleep", learner, generators)
         sft = warm_start(cfg, learner, train_items, model_path, log)
         if sft:
             memory.mark("warm start done", learner, generators)
-        ray.get(coordinator.initial_sync.remote(sft))
+        watch_coordinator(coordinator, coordinator.initial_sync.remote(sft), bound, loops)
         memory.mark("initial sync done", learner, generators)
-    done = coordinator.run.remote()
     metrics = layout.metrics_file(run_dir)  # a resumed run prints only its own rows
     progress = Progress(run_dir, cfg.coordinator.steps,
                         seen=len(metrics.read_text().splitlines()) if cfg.coordinator.resume and metrics.exists() else 0)
-    while True:
-        ready, _ = ray.wait([done] + loops, timeout=1.0)
-        progress.print_new()
-        if done in ready:
-            break
-        for ref in ready:  # a stream loop that ended on its own is an error
-            ray.get(ref)
-    summary = ray.get(done)
+    summary = watch_coordinator(coordinator, coordinator.run.remote(), bound, loops, on_tick=progress.print_new)
     progress.print_new()
     return summary
+
+
+def wait_built(actors: dict[str, Any], timeout_s: float | None = None) -> None:
+    """Waits until every actor (label -> handle) is built (its constructor returned: a model loaded, an
+    engine up), at most `timeout_s` (the learner group's JOIN_TIMEOUT_S: a 32B load); a constructor's
+    error is raised as is, an actor still unbuilt after the bound is ActorCallTimeout naming it. Calls
+    bounded by coordinator.call_timeout_s come after this: their bound never has to cover a build."""
+    import ray
+
+    from actors.learner.group import JOIN_TIMEOUT_S
+
+    timeout_s = JOIN_TIMEOUT_S if timeout_s is None else timeout_s
+    refs = {label: handle.__ray_ready__.remote() for label, handle in actors.items()}
+    ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    ray.get(ready)
+    if pending:
+        unbuilt = [label for label, ref in refs.items() if ref in set(pending)]
+        raise ActorCallTimeout(f"{', '.join(unbuilt)}: not built within {timeout_s:g} s (a constructor that hangs, "
+                               f"or an actor Ray cannot schedule)")
+
+
+# The launcher asks the coordinator for its pid this often while a long call of it runs.
+PING_EVERY_S = 10.0
+
+
+def watch_coordinator(coordinator, ref, ping_timeout_s: float, loops: list, on_tick=None,
+                      every_s: float = PING_EVERY_S) -> Any:
+    """ray.get(ref) of a long coordinator call (resume_from, initial_sync, run), whose calls to other actors
+    are bounded by the coordinator itself. Meanwhile: a stream loop in `loops` that ended with an error
+    raises it; the coordinator is pinged every `every_s`, and a ping unanswered after `ping_timeout_s`
+    (coordinator.call_timeout_s: a frozen coordinator) raises ActorCallTimeout."""
+    import ray
+
+    loops = list(loops)
+    ping, next_ping = None, time.monotonic() + every_s
+    while True:
+        ready, _ = ray.wait([ref] + loops, timeout=1.0)
+        if on_tick is not None:
+            on_tick()
+        if ref in ready:
+            return ray.get(ref)
+        for r in ready:  # a stream loop that ended on its own is an error (a clean end is watched no more)
+            loops.remove(r)
+            ray.get(r)
+        now = time.monotonic()
+        if ping is None and now >= next_ping:
+            ping = (coordinator.pid.remote(), now)
+        if ping is not None:
+            if ray.wait([ping[0]], timeout=0)[0]:
+                ray.get(ping[0])
+                ping, next_ping = None, now + every_s
+            elif now - ping[1] > ping_timeout_s:
+                raise ActorCallTimeout.of("coordinator.pid (the launcher's liveness ping)", ping_timeout_s)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -257,6 +257,26 @@ def dashboard_available(log=None) -> bool:
 LOCAL_RAY_ATTEMPTS = 3
 
 
+def init_local_ray(log=None, **kwargs) -> None:
+    """ray.init(address="local", **kwargs): always a new cluster of our own, never one found through
+    /tmp/ray/ray_current_cluster (another user's or another run's; RAY_ADDRESS joins one). Started again
+    (after a shutdown) when Ray's fixed 30 s raylet wait ran out, LOCAL_RAY_ATTEMPTS times in all; any
+    other error is raised at once. Used by the launcher and by the tests' local clusters."""
+    import ray
+
+    for attempt in range(1, LOCAL_RAY_ATTEMPTS + 1):
+        try:
+            ray.init(address="local", **kwargs)
+            return
+        except Exception as e:  # noqa: BLE001 - Ray's fixed 30 s raylet registration wait
+            if "timed out during startup" not in str(e) or attempt == LOCAL_RAY_ATTEMPTS:
+                raise
+            if log is not None:
+                log.warning("local ray did not start in its 30 s (an overloaded machine?); starting it again",
+                            attempt=attempt, of=LOCAL_RAY_ATTEMPTS)
+            ray.shutdown()
+
+
 def start_ray(cfg: RunConfig, run_dir: Path, log) -> None:
     import ray
 
@@ -271,21 +291,10 @@ def start_ray(cfg: RunConfig, run_dir: Path, log) -> None:
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         with ray_on_loopback(cfg.cluster.ray_loopback):
-            # address="local": always a new cluster of our own, never one found through
-            # /tmp/ray/ray_current_cluster (another user's or another run's; RAY_ADDRESS joins one).
-            for attempt in range(1, LOCAL_RAY_ATTEMPTS + 1):
-                try:
-                    ray.init(address="local", num_cpus=cfg.cluster.num_cpus or local_num_cpus(make_placement(cfg), host_cpus()), num_gpus=cfg.cluster.gpus_per_node or None,
-                             include_dashboard=dashboard_available(log), dashboard_host=cfg.cluster.dashboard_host,
-                             runtime_env=runtime_env,
-                             log_to_driver=False, _temp_dir=os.environ.get("ARL_RAY_TMP") or None)
-                    return
-                except Exception as e:  # noqa: BLE001 - Ray's fixed 30 s raylet registration wait
-                    if "timed out during startup" not in str(e) or attempt == LOCAL_RAY_ATTEMPTS:
-                        raise
-                    log.warning("local ray did not start in its 30 s (an overloaded machine?); starting it again",
-                                attempt=attempt, of=LOCAL_RAY_ATTEMPTS)
-                    ray.shutdown()
+            init_local_ray(log, num_cpus=cfg.cluster.num_cpus or local_num_cpus(make_placement(cfg), host_cpus()),
+                           num_gpus=cfg.cluster.gpus_per_node or None, include_dashboard=dashboard_available(log),
+                           dashboard_host=cfg.cluster.dashboard_host, runtime_env=runtime_env, log_to_driver=False,
+                           _temp_dir=os.environ.get("ARL_RAY_TMP") or None)
 
 
 def run(cfg: RunConfig) -> int:
@@ -359,14 +368,17 @@ def run(cfg: RunConfig) -> int:
 
 
 def actor_died(e: BaseException) -> bool:
-    """Whether `e` is, or was caused by, the death of a Ray actor (Ray wraps the cause) or a collective
-    that failed on a dead or hung peer within learner.collective_timeout_s: that world cannot go on."""
+    """Whether `e` is, or was caused by, the death of a Ray actor (Ray wraps the cause), a call to an
+    actor that ran past its bound (ActorCallTimeout: a frozen actor, handled as a dead one), or a
+    collective that failed on a dead or hung peer within learner.collective_timeout_s: that world
+    cannot go on."""
     from ray.exceptions import RayActorError
 
     from actors.learner.world import is_collective_failure
+    from actors.shell import ActorCallTimeout
 
     for _ in range(8):
-        if isinstance(e, RayActorError) or is_collective_failure(e):
+        if isinstance(e, (RayActorError, ActorCallTimeout)) or is_collective_failure(e):
             return True
         nxt = getattr(e, "cause", None) or e.__cause__
         if nxt is None or nxt is e:
@@ -378,7 +390,8 @@ def actor_died(e: BaseException) -> bool:
 def run_with_relaunches(cfg: RunConfig, ctx: RunContext, model_path: str, train_items: list, eval_items: list,
                         log) -> dict[str, Any]:
     """place_and_run, started again from the latest checkpoint when the learner or the
-    coordinator dies (actors Ray does not restart) or a learner collective fails on a dead or hung
+    coordinator dies (actors Ray does not restart), any actor freezes (a call to it ran past
+    coordinator.call_timeout_s; the relaunch kills it) or a learner collective fails on a dead or hung
     peer (learner.collective_timeout_s), up to cluster.max_relaunches times."""
     from actors.coordinator.coordinator import Coordinator
     from launch.place import kill_run_actors, place_and_run
@@ -394,7 +407,7 @@ def run_with_relaunches(cfg: RunConfig, ctx: RunContext, model_path: str, train_
             if not actor_died(e) or latest is None or relaunches >= cfg.cluster.max_relaunches:
                 raise
             relaunches += 1
-            log.warning("an actor died or a collective failed: relaunching the run from its latest checkpoint",
+            log.warning("an actor died or froze, or a collective failed: relaunching the run from its latest checkpoint",
                         error=one_line(e), checkpoint=latest.name, relaunch=relaunches, of=cfg.cluster.max_relaunches)
             print(f"relaunching from {latest.name} ({relaunches}/{cfg.cluster.max_relaunches}): {one_line(e)}",
                   flush=True)

@@ -104,7 +104,7 @@ class SqlService:
     def __init__(self, opts: dict):
         from launch.export import load_engine
         from tasks.bird import read_schema, schema_text
-        from tasks.sandbox import SqlPool
+        from tasks.sql_pool import SqlPool
 
         from launch.serve_life import replica_grpc_on_loopback
 

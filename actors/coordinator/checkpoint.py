@@ -1,7 +1,8 @@
 """The coordinator's checkpoints: DeepSpeed state + the data cursor + the ledger, then the HF export.
 
 A mixin of `actors.coordinator.coordinator.Coordinator`. It uses the coordinator's `cfg`, `run_dir`, `run_id`,
-`learner`, `step`, `version`, `cursor`, `ledger`, `train_items` and `log`.
+`learner`, `step`, `version`, `cursor`, `ledger`, `train_items`, `log` and its bounded calls
+(actors/coordinator/bounds.py).
 
 Invariants:
 - A checkpoint holds the learner's state and the cursor where the next step starts (step, version,
@@ -16,7 +17,6 @@ import json
 from pathlib import Path
 
 from actors.coordinator.cursor import DataCursor
-from actors.shell import call
 from config import layout
 from queues.messages import is_eval_task, task_step
 
@@ -34,7 +34,7 @@ class Checkpointing:
 
         path = self.checkpoint_dir(step)
         path.mkdir(parents=True, exist_ok=True)
-        await call(self.learner, "save", str(path / "learner"))
+        await self._learner("save", str(path / "learner"))
         # The cursor where step+1 starts: the next step's prompts may already be published
         # (taken from the cursor) when this checkpoint is written; a resume must take them again.
         cursor = getattr(self, "_cursor_before", {}).get(step + 1, self.cursor.state())
@@ -57,7 +57,7 @@ class Checkpointing:
 
         final = export_dir(self.run_dir, steps_done)
         tmp = begin_export(final)
-        await call(self.learner, "export_hf", str(tmp))
+        await self._learner("export_hf", str(tmp))
         commit_export(tmp, final, inference_settings(self.cfg, self.run_id, steps_done),
                       source_model_dir(self.cfg, self.run_dir))
         return final
@@ -72,7 +72,7 @@ class Checkpointing:
 
     async def resume_from(self, path: Path) -> None:
         state = json.loads((path / "coordinator.json").read_text())
-        await call(self.learner, "load", str(path / "learner"))
+        await self._learner("load", str(path / "learner"))
         self.step = state["step"] + 1
         self.version = state["version"]
         c = state["cursor"]

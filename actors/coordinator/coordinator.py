@@ -12,6 +12,8 @@ take the new weights and resume (parked requests continue under the new weights)
 
 Invariants:
 - Control calls are awaited in order; a step's handshake never interleaves with another's.
+- Every call to an actor has a bound (actors/coordinator/bounds.py): one past it (a frozen actor) raises
+  ActorCallTimeout naming the actor and the call, and the run ends as on a death (relaunch or one line).
 - Every task the coordinator publishes gets exactly one outcome in the ledger (trained or a
   drop reason), and the per-step counts are in the step's metrics.
 - The coordinator never touches tensors: weights move learner -> generators through
@@ -22,8 +24,8 @@ Invariants:
   during the final checkpoint: the device never holds a resident engine and an awake learner at once
   (a mid-run checkpoint is the exception: the engines generate the next step while the learner saves).
 
-The weight-sync handshake lives in actors/coordinator/sync.py and checkpoints in
-actors/coordinator/checkpoint.py (mixins of Coordinator, with their own invariants). Built like every
+The bounded calls live in actors/coordinator/bounds.py, the weight-sync handshake in
+actors/coordinator/sync.py and checkpoints in actors/coordinator/checkpoint.py (mixins of Coordinator, with their own invariants). Built like every
 actor (actors/shell.py): `Coordinator(cfg, ctx, train_items, eval_items, generators=..., learner=...,
 assembler=...)`; its "generated" events are read by the one consumer loop (queues.worker.Worker).
 """
@@ -36,10 +38,10 @@ from typing import Any
 
 import msgspec
 
+from actors.coordinator.bounds import BoundedCalls
 from actors.coordinator.checkpoint import Checkpointing, count_outcomes
 from actors.coordinator.cursor import DataCursor
 from actors.coordinator.sync import WeightSyncHandshake
-from actors.shell import call
 from config import RunConfig, RunContext
 from observe.logs import setup_actor_logging
 from observe.ray_metrics import export as export_ray_metrics
@@ -47,8 +49,9 @@ from queues.messages import EVAL_PREFIX, Event, PromptTask, codec, eval_task_id,
 
 
 
-class Coordinator(WeightSyncHandshake, Checkpointing):
-    """The step loop (this module's docstring); the weight-sync handshake and checkpoints are mixins."""
+class Coordinator(BoundedCalls, WeightSyncHandshake, Checkpointing):
+    """The step loop (this module's docstring); its bounded calls, the weight-sync handshake and checkpoints
+    are mixins."""
 
     # The launcher's calls (attach_metrics, stats, stop) beside run(). Not restarted by Ray: it holds the
     # run's state, and a run that loses it is relaunched from its latest checkpoint.
@@ -175,10 +178,10 @@ class Coordinator(WeightSyncHandshake, Checkpointing):
         sampled_ids = []
         if self.cfg.data.eval_samples > 0:  # held-out reward at the training temperature
             sampled_ids = await self._publish(tasks("s", self.cfg.data.eval_samples, {}))
-        greedy = await call(self.assembler, "collect_eval", greedy_ids, timeout)
+        greedy = await self._assembler("collect_eval", greedy_ids, timeout)
         result = {k: v for k, v in greedy.items() if k not in ("eval_reward_mean", "eval_sample_accuracy")}
         if sampled_ids:
-            sampled = await call(self.assembler, "collect_eval", sampled_ids, timeout)
+            sampled = await self._assembler("collect_eval", sampled_ids, timeout)
             result["eval_reward_mean"] = sampled["eval_reward_mean"]
             result["eval_sample_accuracy"] = sampled["eval_sample_accuracy"]
         result["time_eval"] = time.perf_counter() - start
@@ -202,7 +205,7 @@ class Coordinator(WeightSyncHandshake, Checkpointing):
         ids = list(task_ids)
         added = 0
         for _ in range(rounds):
-            outcomes = await call(self.assembler, "peek", ids, self.version, self.cfg.coordinator.step_timeout_s)
+            outcomes = await self._assembler("peek", ids, self.version, self.cfg.coordinator.step_timeout_s)
             short = want - sum(o == "trained" for o in outcomes.values())
             if short <= 0:
                 break
@@ -228,12 +231,12 @@ class Coordinator(WeightSyncHandshake, Checkpointing):
             await self._all_generators("sleep", cfg.generator.sleep_level)
             m["time_generator_sleep"] = time.perf_counter() - t
             t = time.perf_counter()
-            await call(self.learner, "wake")
+            await self._learner("wake")
             m["time_learner_wake"] = time.perf_counter() - t
         if next_publish is not None:
             await next_publish()  # async mode: the next step generates while this one trains
         t = time.perf_counter()
-        result = await call(self.assembler, "collect", step, task_ids, self.version, cfg.coordinator.step_timeout_s)
+        result = await self._assembler("collect", step, task_ids, self.version, cfg.coordinator.step_timeout_s)
         scored_done = time.perf_counter()
         # Scoring still running after the last group was generated (and after the sleep).
         m["time_exposed_scoring"] = max(0.0, scored_done - max(t, gen_done))
@@ -243,7 +246,7 @@ class Coordinator(WeightSyncHandshake, Checkpointing):
         trained = result["published"]
         if trained:
             t = time.perf_counter()
-            train_metrics = await call(self.learner, "train_from_stream", step)
+            train_metrics = await self._learner("train_from_stream", step)
             m["time_training"] = time.perf_counter() - t
             m.update({f"train_{k}" if not k.startswith("train_") else k: v for k, v in train_metrics.items()})
         else:
@@ -251,7 +254,7 @@ class Coordinator(WeightSyncHandshake, Checkpointing):
             m["skipped_update"] = 1.0
         if colocated:
             t = time.perf_counter()
-            await call(self.learner, "sleep")
+            await self._learner("sleep")
             m["time_learner_sleep"] = time.perf_counter() - t
             t = time.perf_counter()
             await self._all_generators("wake", ["weights"])
@@ -351,7 +354,7 @@ class Coordinator(WeightSyncHandshake, Checkpointing):
                               time_s=round(m["time_step"], 1), trained=int(m.get("prompts_trained", 0)),
                               dropped=int(m["prompts"] - m.get("prompts_trained", 0)))
             self.step = step + 1
-            await call(self.assembler, "forget_before", step - 2)
+            await self._assembler("forget_before", step - 2)
             self._forget_generated(step - 2)
             if cfg.time_budget_s and time.monotonic() - started > cfg.time_budget_s:
                 break

@@ -1,7 +1,8 @@
 """The coordinator's weight-sync handshake: learner -> generators, and resyncing restarted generators.
 
 A mixin of `actors.coordinator.coordinator.Coordinator` (kept apart so the step loop reads on its own). It uses
-the coordinator's `cfg`, `learner`, `generators`, `version`, `log` and `_broadcast_rdv`.
+the coordinator's `cfg`, `learner`, `generators`, `version`, `log`, `_broadcast_rdv` and its bounded calls
+(actors/coordinator/bounds.py BoundedCalls).
 
 Invariants:
 - The coordinator never touches tensors, and knows no transport's steps: it picks the transport from
@@ -15,6 +16,10 @@ Invariants:
 - A generator Ray restarted (initial weights, or another version) gets the current version alone,
   through the object store (`weights.strategy.fallback`) when the transport is collective, while the
   others keep generating.
+- Every call is bounded (actors/coordinator/bounds.py): the health check by HEALTH_TIMEOUT_S (a
+  generator still restarting is tried again next round), every other call and each sync step of
+  either side by coordinator.call_timeout_s. A sync step past its bound is not redone: a frozen actor
+  does not thaw by retrying; ActorCallTimeout goes to the launcher like a death.
 """
 from __future__ import annotations
 
@@ -22,20 +27,18 @@ import asyncio
 import time
 from typing import Any
 
-from actors.shell import call
+from actors.coordinator.bounds import bounded_verb, call_bound
+from actors.shell import ActorCallTimeout, await_within
 from weights.base import maybe_await
 from weights.protocol import Link, verb
 
-
-async def _ask(method: Any, *args: Any) -> Any:
-    """A method of an actor handle (Ray) or of a plain object, awaited alike."""
-    return await maybe_await(verb(method)(*args))
+HEALTH_TIMEOUT_S = 2.0  # a generator's health answer; one still restarting (or frozen) is asked next round
 
 
 class WeightSyncHandshake:
     """sync_weights / heal_generators / initial_sync for the Coordinator."""
 
-    async def heal_generators(self, timeout_s: float = 2.0) -> int:
+    async def heal_generators(self, timeout_s: float = HEALTH_TIMEOUT_S) -> int:
         """Finds generators that lost their weights (restarted by Ray after a crash: initial
         weights, or a version other than ours) and syncs the current version into them alone.
         Returns how many were resynced; a generator still restarting is tried next time."""
@@ -43,7 +46,7 @@ class WeightSyncHandshake:
             if not hasattr(g, "health"):
                 return False
             try:
-                h = await asyncio.wait_for(_ask(g.health), timeout_s)
+                h = await await_within(maybe_await(verb(g.health)()), timeout_s, f"{self.generator_label(g)}.health")
             except Exception:  # noqa: BLE001 - still restarting: next round
                 return False
             return bool(h["needs_weights"]) or int(h["version"]) != self.version
@@ -55,28 +58,28 @@ class WeightSyncHandshake:
             self.log.warning("resyncing restarted generators", count=len(lagging), version=self.version)
         self.resyncs = getattr(self, "resyncs", 0) + len(lagging)
         try:
-            await asyncio.gather(*(_ask(g.wake, ["weights"]) for g in lagging))
+            await self._all_generators("wake", ["weights"], targets=lagging)
             await self.sync_weights(self.version, targets=lagging, attempts=1)
-            await asyncio.gather(*(_ask(g.set_version, self.version) for g in lagging))
-            await asyncio.gather(*(_ask(g.wake, ["kv_cache"]) for g in lagging))
-            await asyncio.gather(*(_ask(g.resume) for g in lagging))
+            await self._all_generators("set_version", self.version, targets=lagging)
+            await self._all_generators("wake", ["kv_cache"], targets=lagging)
+            await self._all_generators("resume", targets=lagging)
         except Exception as e:  # noqa: BLE001 - it died again mid-sync: next round
             if self.log is not None:
                 self.log.warning("generator resync failed; retrying", error=str(e).splitlines()[0][:200])
             return 0
         return len(lagging)
 
-    async def _all_generators(self, method: str, *args) -> list:
-        return await asyncio.gather(*(call(g, method, *args) for g in self.generators))
-
     async def sync_weights(self, version: int, targets: list | None = None, attempts: int = 5) -> float:
         """Learner -> every generator (or `targets`), bucket by bucket; returns seconds taken.
-        A sync that fails (a generator died mid-sync; Ray restarts it) is redone from bucket 0."""
+        A sync that fails (a generator died mid-sync; Ray restarts it) is redone from bucket 0; one
+        whose step ran past its bound (a frozen actor) is not."""
         start = time.perf_counter()
         for attempt in range(attempts):
             try:
                 await self._sync_once(version, self.generators if targets is None else targets)
                 return time.perf_counter() - start
+            except ActorCallTimeout:
+                raise
             except Exception as e:  # noqa: BLE001
                 if attempt + 1 >= attempts:
                     raise
@@ -96,8 +99,11 @@ class WeightSyncHandshake:
             # restarted one, from heal_generators) goes through the object store instead, so the
             # others keep generating. The next full sync rebuilds the group with the newcomer.
             transport, collective = fallback(), False
-        link = Link(verb(self.learner.send_weights), [verb(g.receive_weights) for g in generators],
-                    group=self._broadcast_rdv if collective else None, log=self.log)
+        send = bounded_verb(verb(self.learner.send_weights), call_bound(self.cfg, "learner", "send_weights"),
+                            "learner.send_weights")
+        receivers = [bounded_verb(verb(g.receive_weights), call_bound(self.cfg, "generator", "receive_weights"),
+                                  f"{self.generator_label(g)}.receive_weights") for g in generators]
+        link = Link(send, receivers, group=self._broadcast_rdv if collective else None, log=self.log)
         try:
             await transport.sync(link, version, self.cfg.coordinator.weight_bucket_mb)
         finally:
@@ -113,15 +119,15 @@ class WeightSyncHandshake:
         pull again."""
         colocated = self.cfg.coordinator.mode == "colocated"
         if colocated:
-            await _ask(self.learner.sleep)
+            await self._learner("sleep")
         if not warm_start_metrics:
             return
         if self.log is not None:
             self.log.info("warm-start done", **{k: round(v, 4) for k, v in warm_start_metrics.items()})
         if colocated:
-            await asyncio.gather(*(_ask(g.wake, ["weights"]) for g in self.generators))
+            await self._all_generators("wake", ["weights"])
         await self.sync_weights(self.version)
-        await asyncio.gather(*(_ask(g.set_version, self.version) for g in self.generators))
+        await self._all_generators("set_version", self.version)
         if colocated:
-            await asyncio.gather(*(_ask(g.wake, ["kv_cache"]) for g in self.generators))
-        await asyncio.gather(*(_ask(g.resume) for g in self.generators))  # sleep paused them
+            await self._all_generators("wake", ["kv_cache"])
+        await self._all_generators("resume")  # sleep paused them

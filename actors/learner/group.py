@@ -9,6 +9,10 @@ Invariants:
 - Every method the coordinator and the launcher call is an `async def` that fans out to every rank
   that must take part (collectives: every rank; the stream, the step ledger: rank 0 only) and
   returns rank 0's result. The coordinator's `call()` awaits it like an actor method.
+- Every rank's call is bounded: `call_timeout_s` (coordinator.call_timeout_s), a training step's by
+  `train_timeout_s` (coordinator.step_timeout_s), taking the batch by its own wait plus call_timeout_s.
+  A rank past its bound (frozen: alive to Ray, silent) raises ActorCallTimeout naming the method and
+  the rank(s), which the launcher handles as a death; a rank's error ends the wait at once.
 - A step's TrainBatch is read from the `batches` stream by rank 0 alone; every rank trains on the
   same bytes (rank 0 puts them in the object store once); the message is acked only after every
   rank finished the step, so a rank that dies mid-step leaves it pending for the resumed run.
@@ -27,29 +31,37 @@ import time
 
 import structlog
 
+from actors.shell import ActorCallTimeout
+from config import CoordinatorConfig
+
 log = structlog.get_logger("arctic_rl.learner")
 
 JOIN_TIMEOUT_S = 1800.0  # create(): every rank built its learner (model load + deepspeed.initialize)
+_DEFAULTS = CoordinatorConfig()  # the bounds of a group made without a config (tests, benches)
 
 
 class LearnerGroup:
     """Handles of the rank actors (rank 0 first) and the calls that fan out to them."""
 
-    def __init__(self, ranks: list, zero_stage: int = 0):
+    def __init__(self, ranks: list, zero_stage: int = 0, call_timeout_s: float = _DEFAULTS.call_timeout_s,
+                 train_timeout_s: float = _DEFAULTS.step_timeout_s):
         if not ranks:
             raise ValueError("a LearnerGroup needs at least one rank")
         self.ranks = list(ranks)
         self.zero_stage = int(zero_stage)
+        self.call_timeout_s, self.train_timeout_s = float(call_timeout_s), float(train_timeout_s)
 
     @property
     def world_size(self) -> int:
         return len(self.ranks)
 
     @classmethod
-    def joined(cls, ranks: list, zero_stage: int = 0, timeout_s: float = JOIN_TIMEOUT_S) -> "LearnerGroup":
+    def joined(cls, ranks: list, zero_stage: int = 0, timeout_s: float = JOIN_TIMEOUT_S,
+               **bounds: float) -> "LearnerGroup":
         """The group over rank actors the launcher created (launch/place.py create_learner), rank 0
-        first; a world > 1 waits until all joined one world (at most `timeout_s`)."""
-        group = cls(ranks, zero_stage)
+        first; a world > 1 waits until all joined one world (at most `timeout_s`). `bounds`:
+        call_timeout_s, train_timeout_s (the constructor's)."""
+        group = cls(ranks, zero_stage, **bounds)
         if group.world_size > 1:
             group._join(timeout_s)
         return group
@@ -83,11 +95,32 @@ class LearnerGroup:
 
     # ------------------------------------------------------------------ fan-out helpers
 
-    async def _all(self, method: str, *args, **kwargs) -> list:
-        return list(await asyncio.gather(*(getattr(r, method).remote(*args, **kwargs) for r in self.ranks)))
+    async def _gather(self, method: str, calls: list, bound_s: float | None = None) -> list:
+        """The results of `calls` ((rank, ObjectRef) pairs) in order. The first error raised ends the
+        wait (raised as is); ranks still silent after `bound_s` (call_timeout_s) are named in an
+        ActorCallTimeout."""
+        timeout_s = self.call_timeout_s if bound_s is None else bound_s
+        futures = [asyncio.ensure_future(_awaited(ref)) for _, ref in calls]
+        try:
+            done, pending = await asyncio.wait(futures, timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for f in futures:
+                if not f.done():
+                    f.cancel()  # the wait ended (an error, the bound, our caller cancelled): stop awaiting
+        for f in futures:
+            if f in done and f.exception() is not None:
+                raise f.exception()
+        if pending:
+            silent = [rank for (rank, _), f in zip(calls, futures) if f in pending]
+            raise ActorCallTimeout.of(f"learner.{method} on rank(s) {silent} of {self.world_size}", timeout_s)
+        return [f.result() for f in futures]
 
-    async def _rank0(self, method: str, *args, **kwargs):
-        return await getattr(self.ranks[0], method).remote(*args, **kwargs)
+    async def _all(self, method: str, *args, **kwargs) -> list:
+        return await self._gather(method, [(i, getattr(r, method).remote(*args, **kwargs))
+                                           for i, r in enumerate(self.ranks)])
+
+    async def _rank0(self, method: str, *args, bound_s: float | None = None):
+        return (await self._gather(method, [(0, getattr(self.ranks[0], method).remote(*args))], bound_s))[0]
 
     # ------------------------------------------------------------------ what the coordinator calls
 
@@ -98,10 +131,13 @@ class LearnerGroup:
     async def train_from_stream(self, step: int, timeout_s: float = 600.0) -> dict:
         """Trains every rank on the batch for `step` (read by rank 0); rank 0 acks it afterwards."""
         if self.world_size == 1:
-            return await self._rank0("train_from_stream", step, timeout_s)
-        shared = await self._rank0("take_batch", step, timeout_s)  # [ObjectRef of the batch bytes]
-        outs = await asyncio.gather(self.ranks[0].train_taken.remote(),
-                                    *(r.train_bytes.remote(shared[0]) for r in self.ranks[1:]))
+            return await self._rank0("train_from_stream", step, timeout_s,
+                                     bound_s=timeout_s + self.train_timeout_s + self.call_timeout_s)
+        shared = await self._rank0("take_batch", step, timeout_s,  # [ObjectRef of the batch bytes]
+                                   bound_s=timeout_s + self.call_timeout_s)
+        outs = await self._gather("train_step", [(0, self.ranks[0].train_taken.remote())] +
+                                  [(i, r.train_bytes.remote(shared[0])) for i, r in enumerate(self.ranks) if i],
+                                  self.train_timeout_s)
         return await self._rank0("finish_taken", outs[0])
 
     async def sft_step(self, pairs, lr=None) -> float:
@@ -146,5 +182,10 @@ class LearnerGroup:
 
         transport = get_transport(call.key.kind)
         plan = transport.fan_out(call, self.world_size, self.zero_stage)
-        replies = await asyncio.gather(*(self.ranks[rank].send_weights.remote(c) for rank, c in plan))
-        return transport.merge(call, list(replies))
+        replies = await self._gather("send_weights", [(rank, self.ranks[rank].send_weights.remote(c)) for rank, c in plan])
+        return transport.merge(call, replies)
+
+
+async def _awaited(ref):
+    """An ObjectRef awaited inside a coroutine (so asyncio can make it a task)."""
+    return await ref

@@ -1,0 +1,191 @@
+"""Every wait on an actor has a bound: a frozen actor (alive to Ray, silent) ends the wait with one line
+naming the actor and the call (ActorCallTimeout), which the launcher handles as a death.
+
+The first tests drive the bound with plain objects standing in for actors that never answer (fake:
+an awaitable that never completes); the last ones SIGSTOP a real learner rank of a 2-rank group on a
+real local Ray (tests/test_chaos.py freezes a generator in a whole run and sees the launcher relaunch).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+
+import pytest
+
+from actors.coordinator.bounds import GROUP_SLACK_S, call_bound
+from actors.shell import ActorCallTimeout, call_within
+from config import RunContext, apply_overrides
+from config.recipes import get_recipe
+
+
+def _cfg(*overrides: str):
+    return apply_overrides(get_recipe("tiny"), ["coordinator.call_timeout_s=0.5", "generator.pause_timeout_s=0.25",
+                                                "coordinator.step_timeout_s=2", *overrides])
+
+
+def test_a_call_is_bounded_by_call_timeout_s_on_top_of_its_own_wait():
+    cfg = _cfg()
+    assert call_bound(cfg, "generator", "wake") == 0.5
+    assert call_bound(cfg, "generator", "sleep") == call_bound(cfg, "generator", "pause") == 0.75
+    assert call_bound(cfg, "assembler", "collect") == call_bound(cfg, "assembler", "peek") == 2.5
+    assert call_bound(cfg, "assembler", "forget_before") == 0.5
+    assert call_bound(cfg, "learner", "sleep") == 0.5 + GROUP_SLACK_S  # the group's own line comes first
+    assert call_bound(cfg, "learner", "train_from_stream") == 2.5 + GROUP_SLACK_S
+
+
+def test_a_zero_call_timeout_is_refused_by_name():
+    from config import ConfigError
+
+    with pytest.raises(ConfigError, match="coordinator.call_timeout_s"):
+        apply_overrides(get_recipe("tiny"), ["coordinator.call_timeout_s=0"])
+
+
+class _Generator:
+    """A generator's control surface; `frozen` never answers (fake: a SIGSTOPped actor's call)."""
+
+    def __init__(self, frozen: bool = False):
+        self.frozen, self.calls = frozen, []
+
+    async def _answer(self, name: str):
+        self.calls.append(name)
+        if self.frozen:
+            await asyncio.Event().wait()
+
+    async def sleep(self, level):
+        await self._answer("sleep")
+
+    async def wake(self, tags=None):
+        await self._answer("wake")
+
+
+async def test_fake_frozen_generator_ends_the_coordinator_s_wait_naming_it_and_the_call():
+    from actors.coordinator.coordinator import Coordinator
+
+    gens = [_Generator(), _Generator(frozen=True)]
+    coord = Coordinator(_cfg(), RunContext(run_id="frozen"), [], [], generators=gens, learner=None, assembler=None)
+    with pytest.raises(ActorCallTimeout) as e:
+        await coord._all_generators("sleep", 2)
+    assert str(e.value) == "generator-1.sleep did not return within 0.75 s (the actor is frozen or overloaded)"
+    assert gens[0].calls == gens[1].calls == ["sleep"]
+    await coord._all_generators("wake", ["weights"], targets=[gens[0]])  # a live one answers as ever
+
+
+async def test_an_error_of_the_call_itself_passes_as_is_even_a_timeout_error():
+    class Learner:
+        async def train_from_stream(self, step):
+            raise TimeoutError("learner: no TrainBatch for step 3")
+
+    with pytest.raises(TimeoutError, match="no TrainBatch") as e:
+        await call_within(5.0, "learner", Learner(), "train_from_stream", 3)
+    assert not isinstance(e.value, ActorCallTimeout)
+
+
+async def test_fake_frozen_rank_is_named_by_the_group_and_a_rank_s_error_ends_the_wait_at_once():
+    from actors.learner.group import LearnerGroup
+
+    group = LearnerGroup(["rank0", "rank1", "rank2"], call_timeout_s=0.3)
+
+    async def answer(v):
+        return v
+
+    async def never():
+        await asyncio.Event().wait()
+
+    async def fail():
+        raise RuntimeError("rank 2: CUDA out of memory")
+
+    assert await group._gather("sleep", [(0, answer(0)), (1, answer(1))]) == [0, 1]
+    with pytest.raises(ActorCallTimeout, match=r"^learner.sleep on rank\(s\) \[1\] of 3 did not return within 0.3 s"):
+        await group._gather("sleep", [(0, answer(0)), (1, never()), (2, answer(2))])
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        await group._gather("save", [(0, never()), (2, fail())], bound_s=60.0)
+    assert time.monotonic() - t0 < 30.0  # the error, not the 60 s bound, ended the wait
+
+
+def test_a_timeout_is_handled_as_a_death_by_the_launcher():
+    from launch.run import actor_died
+
+    assert actor_died(ActorCallTimeout("generator-0.sleep did not return within 1 s"))
+    wrapped = RuntimeError("the coordinator's run failed")
+    wrapped.__cause__ = ActorCallTimeout("learner.sleep on rank(s) [1] of 2 did not return within 1 s")
+    assert actor_died(wrapped)
+    assert not actor_died(RuntimeError("a bug"))
+
+
+# ----------------------------------------------------------------------------- real Ray, SIGSTOP
+
+
+@pytest.mark.slow  # two learner ranks (each imports torch and DeepSpeed) on a real local Ray
+def test_a_sigstopped_learner_rank_ends_the_group_s_call_within_its_bound_naming_the_rank(tmp_path):
+    from launch.place import create_learner
+    from launch.run import actor_died
+    from tasks.tiny_model import build_tiny
+    from tests.conftest import ray_cluster
+
+    cfg = _cfg("learner.num_ranks=2", "learner.num_cpus=0.5", "learner.dtype=float32", "learner.device=cpu",
+               "coordinator.call_timeout_s=5")
+    model_dir = build_tiny(tmp_path / "model", model_cfg=cfg.model, seed=0)
+    with ray_cluster():
+        group = create_learner(cfg, RunContext.of(cfg, "frozen", tmp_path, ""), model_dir, 10, "frozen")
+        try:
+            asyncio.run(group.sleep())  # both ranks answer
+            pid = asyncio.run(asyncio.wait_for(_pid_of(group.ranks[1]), 60))
+            os.kill(pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(ActorCallTimeout) as e:
+                asyncio.run(group.wake())
+            waited = time.monotonic() - t0
+            os.kill(pid, signal.SIGCONT)
+        finally:
+            group.kill()
+    assert str(e.value) == "learner.wake on rank(s) [1] of 2 did not return within 5 s (the actor is frozen or overloaded)"
+    assert waited >= 5.0 and actor_died(e.value)
+
+
+async def _pid_of(rank):
+    return await rank.pid.remote()
+
+
+@pytest.mark.slow  # a whole tiny run and one relaunch (~3-5 min on 2 busy cores)
+def test_a_generator_frozen_mid_run_is_relaunched_by_its_bound_and_the_run_ends_whole(tmp_path):
+    """`tiny` (one generator, colocated) with small bounds: the generator is SIGSTOPped mid-run (alive to
+    Ray, silent: Ray restarts nothing). Its prompts time out (step_timeout_s), the coordinator's next call
+    to it (sleep) runs past coordinator.call_timeout_s + generator.pause_timeout_s and names it; the
+    launcher relaunches from the latest checkpoint as on a death, killing the frozen process, and the
+    run ends 0 with nothing lost or trained twice and no process left."""
+    from bench.chaos import Launch, _common, _wait_log, _wait_rows, find_pids, rows, verify
+
+    # call_timeout_s: above the slowest healthy call of tiny on a machine at load ~30 (a checkpoint save,
+    # a few seconds idle); step_timeout_s: above its slowest healthy generation.
+    steps, per_step, call_s, pause_s, step_s = 6, 8, 30, 5, 90
+    run_id = "frozen-generator"
+    run_dir, log = tmp_path / run_id, tmp_path / "launch.log"
+    launch = Launch(_common(tmp_path, run_id, steps, 25, per_step) + [
+        "data.limit=8", "coordinator.checkpoint_every=2", "cluster.max_relaunches=1",
+        f"coordinator.call_timeout_s={call_s}", f"generator.pause_timeout_s={pause_s}",
+        f"coordinator.step_timeout_s={step_s}"], log)
+    pid = 0
+    try:
+        assert _wait_rows(run_dir, launch, 3, 900), log.read_text()[-3000:]
+        pid = find_pids(launch.proc.pid, "generator")[0]
+        os.kill(pid, signal.SIGSTOP)
+        guard = step_s + call_s + pause_s + 120  # + a relaunch's teardown on a busy machine
+        assert _wait_log(log, "relaunching from", 1, launch, guard), \
+            f"no relaunch within {guard} s of the generator's SIGSTOP: {log.read_text()[-3000:]}"
+        rc = launch.wait(900)
+    finally:
+        if launch.proc.poll() is None:
+            launch.wait(0)
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    relaunches = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("relaunching from")]
+    assert rc == 0 and len(relaunches) == 1, log.read_text()[-3000:]
+    assert "ActorCallTimeout: generator-0." in relaunches[0] and "did not return within" in relaunches[0], relaunches
+    r = verify(run_dir, steps, per_step)
+    assert (r["lost"], r["doubled"], r["bad_rows"]) == (0, 0, 0), r["problems"]
+    assert pid not in launch.leftovers() and launch.leftovers() == []
