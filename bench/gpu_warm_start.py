@@ -197,7 +197,8 @@ def generate(model, tok, prompts: list[list[int]], n: int, max_tokens: int, temp
 
 def score(items: list[dict], texts: list[list[str]], scorer: dict, pool_box: dict) -> list:
     """tasks.sandbox.score_group of every item's completions (the run's scorer, its limits)."""
-    from tasks.sandbox import GoldCache, SqlPool, score_group
+    from tasks.sandbox import GoldCache, score_group
+    from tasks.sql_pool import SqlPool
 
     if "pool" not in pool_box:
         pool_box["pool"] = SqlPool(workers=scorer["workers"], timeout_s=scorer["timeout_s"], memory_mb=scorer["memory_mb"])

@@ -27,7 +27,8 @@ import time  # noqa: E402
 
 from policies.sql_reward import extract_sql  # noqa: E402
 from tasks.bird import load_split  # noqa: E402
-from tasks.sandbox import GoldCache, SqlPool, execute_readonly, score_group  # noqa: E402
+from tasks.sandbox import GoldCache, execute_readonly, score_group  # noqa: E402
+from tasks.sql_pool import SqlPool  # noqa: E402
 from tasks.synthetic import write_dataset  # noqa: E402
 
 

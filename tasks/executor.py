@@ -1,8 +1,8 @@
 """The generator's tool executor: an episode's queries run read-only, bounded, off the event loop.
 
 Invariants:
-- Queries run in the scorer's sandbox (tasks/sandbox.py SqlPool: read-only connection, authorizer,
-  per-query timeout enforced inside SQLite, row cap, memory limit) in the executor's OWN worker
+- Queries run in the scorer's sandbox (tasks/sql_pool.py SqlPool over tasks/sandbox.py: read-only
+  connection, authorizer, per-query timeout enforced inside SQLite, row cap, memory limit) in the executor's OWN worker
   processes (`workers`), so a runaway query never blocks the generator's event loop, other episodes
   or the scorer.
 - Every wait is bounded: a query answers within its timeout plus the pool's grace (a worker past it
@@ -16,7 +16,8 @@ import asyncio
 import dataclasses
 import time
 
-from tasks.sandbox import ExecResult, SqlPool
+from tasks.sandbox import ExecResult
+from tasks.sql_pool import SqlPool
 
 GRACE_S = 5.0
 

@@ -88,16 +88,19 @@ def redis_url(redis_server):
 def ray_cluster(prefix: str = "ray-test-"):
     """A real local Ray (2 CPUs, no dashboard) in its own temp dir, whose workers import this repo.
 
-    `address="local"` always starts a new cluster (never joins one another test or process left).
+    `address="local"` always starts a new cluster (never joins one another test or process left), tried
+    again when Ray's fixed 30 s raylet wait runs out on a loaded machine (launch.run.init_local_ray).
     PYTHONPATH is restored afterwards. Used by the `local_ray` fixture and by module-scoped ones.
     """
     ray = pytest.importorskip("ray")
+    from launch.run import init_local_ray
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = root + os.pathsep + (saved or "")
     temp_dir = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
     try:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+        init_local_ray(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
         try:
             yield ray
         finally:

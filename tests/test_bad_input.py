@@ -19,6 +19,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# A launch that hangs would wait forever; this only turns a hang into a failure. The slowest case
+# ("every prompt longer than the context") builds the synthetic task, the tokenizer and the tiny model
+# before its check (~15 s idle) and ran past 90 s at load 30+ on 2 cores.
+HANG_GUARD_S = 300
 
 
 def _bird(tmp: Path, mutate) -> Path:
@@ -108,10 +112,10 @@ def test_cli_bad_input_is_one_line_and_exit_2(case, overrides, env, mutate, expe
                             cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True, text=True)
     try:
-        out, err = proc.communicate(timeout=90)
+        out, err = proc.communicate(timeout=HANG_GUARD_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
-        pytest.fail(f"{case}: hung for 90 s")
+        pytest.fail(f"{case}: hung for {HANG_GUARD_S} s")
     seconds = time.monotonic() - start
     lines = [ln for ln in (out + err).splitlines() if ln.strip()]
     assert proc.returncode == 2, f"{case}: exit {proc.returncode}\n{out}\n{err}"
@@ -122,7 +126,9 @@ def test_cli_bad_input_is_one_line_and_exit_2(case, overrides, env, mutate, expe
     assert "not-the-password" not in out + err
     left = [p.name for p in (tmp_path / "runs").glob("tiny-*")] if (tmp_path / "runs").exists() else []
     assert left == [], f"{case}: a failed launch left {left} behind"
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30  # processes still exiting as the launcher returned (a loaded machine)
+    while _session_procs(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert _session_procs(proc.pid) == [], f"{case}: processes left behind"
     print(f"\n| {case} | `{' '.join(args) or ' '.join(f'{k}=...' for k in env)}` | {lines[0]} | {seconds:.1f} s |")
 
@@ -145,9 +151,9 @@ def test_megabytes_of_model_output_are_scored_not_hung(tmp_path):
         Sample(tokens=pack_ids([1]), logprobs=pack_floats([0.0]), finish_reason="length", text="\x00\xff" * 500_000)])
     scorer = Scorer(ScorerConfig(workers=1, timeout_s=5.0, memory_mb=512))
     try:
-        start = time.monotonic()
-        scored = asyncio.run(scorer.score(group))
-        assert time.monotonic() - start < 30
+        # Scored within the sandbox's bounds (timeout_s=5 per query); 120 s only turns a hang into a failure
+        # on a loaded machine (the verdicts below show the queries were answered, not waited out).
+        scored = asyncio.run(asyncio.wait_for(scorer.score(group), 120))
         assert len(scored.verdicts) == 2 and all(v != "match" for v in scored.verdicts)
         assert scored.rewards == [0.0, 0.0]
     finally:

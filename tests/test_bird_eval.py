@@ -10,7 +10,7 @@ import pytest
 from launch.eval import evaluate, summary_table
 from policies.bird_eval import clean_times, ex_bird, soft_f1, time_ratio, ves_reward
 from tasks.bird import Question
-from tasks.sandbox import SqlPool
+from tasks.sql_pool import SqlPool
 
 ENDLESS = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT max(x) FROM c"
 

@@ -147,21 +147,51 @@ async def test_tasks_left_pending_by_a_dead_generator_are_reclaimed(redis_url, e
     assert (await prompts.depth())["pending"] == 0
 
 
-async def test_a_slow_task_is_not_stolen_from_a_live_generator(redis_url, engine):
-    """The heartbeat keeps a long in-flight task fresh, so a peer never reclaims (duplicates) it."""
+async def test_a_slow_task_is_not_stolen_from_a_live_generator(redis_url, engine, monkeypatch):
+    """The heartbeat keeps a long in-flight task fresh, so a peer never reclaims (duplicates) it.
+
+    The task is held in flight (its group waits at a gate after generation) until the peer has scanned
+    for idle entries three times after the entry would have been idle past reclaim_idle_s without a
+    heartbeat: the count of the peer's scans, not a clock, decides that stealing had its chances.
+    reclaim_idle_s=3: a heartbeat (every 1 s) late by 2 s on a loaded machine still keeps the entry."""
+    from queues.streams import Stream as StreamClass
+
+    idle_s = 3.0
     prompts, rollouts = await streams(redis_url)
-    await prompts.publish(codec(PromptTask).encode(task(engine, 0, n=4, max_tokens=1500, temperature=0)))
-    worker = Generator(engine, GEN_CFG, reclaim_idle_s=0.3)
+    await prompts.publish(codec(PromptTask).encode(task(engine, 0, n=4, max_tokens=8, temperature=0)))
+    scans_after: list[float] = []  # the peer's reclaim scans, once the entry could have been stolen
+    stealable_from: list[float] = []
+    gate = asyncio.Event()
+    reclaim = StreamClass.reclaim
+
+    async def counted_reclaim(self, consumer, min_idle_ms, count=16):
+        got = await reclaim(self, consumer, min_idle_ms, count)
+        if consumer == "peer" and stealable_from and time.monotonic() > stealable_from[0]:
+            scans_after.append(time.monotonic())
+            if len(scans_after) >= 3:
+                gate.set()
+        return got
+
+    monkeypatch.setattr(StreamClass, "reclaim", counted_reclaim)
+    generate = engine.generate
+
+    async def held(t):
+        stealable_from.append(time.monotonic() + idle_s)
+        group = await generate(t)
+        await asyncio.wait_for(gate.wait(), 120)  # the peer's third scan past the idle bound
+        return group
+
+    engine.generate = held
+    worker = Generator(engine, GEN_CFG, reclaim_idle_s=idle_s)
     w = asyncio.create_task(worker.run(redis_url, RUN, "worker"))
     while worker.stats()["generator_inflight_prompts"] == 0:
         await asyncio.sleep(0.005)
-    peer = Generator(TransformersEngine(GEN_CFG, MODEL_CFG, engine.model.name_or_path), GEN_CFG, reclaim_idle_s=0.3)
+    peer = Generator(TransformersEngine(GEN_CFG, MODEL_CFG, engine.model.name_or_path), GEN_CFG, reclaim_idle_s=idle_s)
     p = asyncio.create_task(peer.run(redis_url, RUN, "peer"))
-    got = await collect(rollouts, 1)
+    got = await collect(rollouts, 1, timeout=150)
     await stop(worker, w)
     await stop(peer, p)
-    assert got[0][1].generator_id == "worker"
-    assert got[0][1].finished_at - got[0][1].started_at > 1.5, "too quick to test stealing (reclaim every 0.5 s)"
+    assert got[0][1].generator_id == "worker" and len(scans_after) >= 3
     assert peer.stats()["generator_tasks_reclaimed"] == 0
     assert (await rollouts.depth())["lag"] == 0, "a duplicate group was published"
 

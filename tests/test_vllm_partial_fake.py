@@ -22,16 +22,22 @@ class _Logprob:
 
 class FakeAsyncLLM:
     """Streams one token per 2 ms per request (DELTA), token = position in the sequence, log-prob =
-    -(position) / 100 - version; abort ends a stream with finish_reason "abort"."""
+    -(position) / 100 - version; abort ends a stream with finish_reason "abort". With `hold_at`, every
+    first-submitted stream stops before its token `hold_at` (counted in `held`) until an abort: a test
+    interrupts requests it knows are mid-stream, whatever the machine's load."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, hold_at=None):
         self.engine, self.prompts, self.aborted = engine, [], set()
+        self.hold_at, self.held, self.released = hold_at, 0, asyncio.Event()
 
     async def generate(self, prompt, sampling_params, request_id):
         ids = prompt["prompt_token_ids"]
         self.prompts.append(list(ids))
         for k in range(sampling_params["max_tokens"]):
             await asyncio.sleep(0.002)
+            if k == self.hold_at and not self.released.is_set():
+                self.held += 1
+                await self.released.wait()
             if request_id in self.aborted:
                 yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[], logprobs=[], text="", finish_reason="abort")])
                 return
@@ -43,6 +49,7 @@ class FakeAsyncLLM:
 
     async def abort(self, request_id):
         self.aborted.update(request_id)
+        self.released.set()
 
 
 def fake_sym(name):
@@ -50,14 +57,14 @@ def fake_sym(name):
             "vllm.sampling_params.RequestOutputKind.DELTA": "delta"}[name]
 
 
-def make_engine(max_tokens=30):
+def make_engine(max_tokens=30, hold_at=None):
     eng = object.__new__(VLLMEngine)  # no vLLM here: only the state generate() and the mixin use
     eng.cfg = GeneratorConfig(engine="vllm", max_tokens=max_tokens, temperature=1.0)
     eng.version, eng.max_model_len, eng.vocab_size = 0, 4096, None
     eng._ids, eng._inflight = iter(range(10**6)), set()
     eng._m = {"requests": 0, "tokens": 0, "busy_s": 0.0, "prompt_tokens": 0, "cached_tokens": 0}
     eng._sym_fn = fake_sym
-    eng.llm = FakeAsyncLLM(eng)
+    eng.llm = FakeAsyncLLM(eng, hold_at)
     eng.enable_partial()
     return eng
 
@@ -67,11 +74,10 @@ def _task(n=2):
 
 
 async def test_fake_vllm_interrupted_group_is_resubmitted_with_its_tokens_and_finishes_under_the_new_version():
-    eng = make_engine()
+    eng = make_engine(hold_at=5)
     running = asyncio.create_task(eng.generate(_task()))
-    while eng._m["requests"] < 2 or eng._streaming < 2:
+    while eng.llm.held < 2:  # both samples mid-stream, 5 tokens in
         await asyncio.sleep(0.001)
-    await asyncio.sleep(0.02)
     assert await eng.interrupt() == 1 and not running.done()
     eng.version = 1
     assert eng.continue_interrupted() == 1
@@ -89,12 +95,11 @@ async def test_fake_vllm_interrupted_group_is_resubmitted_with_its_tokens_and_fi
 
 
 async def test_fake_vllm_abort_while_parked_ends_the_group_instead_of_resubmitting():
-    eng = make_engine()
+    eng = make_engine(hold_at=5)
     running = asyncio.create_task(eng.generate(_task(n=1)))
-    while eng._streaming < 1:
+    while eng.llm.held < 1:  # mid-stream, 5 tokens in
         await asyncio.sleep(0.001)
-    await asyncio.sleep(0.01)
-    await eng.interrupt()
+    assert await eng.interrupt() == 1  # parked
     eng.abort()
     group = await asyncio.wait_for(running, 10)
     assert group.samples[0].finish_reason == "abort" and len(eng.llm.prompts) == 1
