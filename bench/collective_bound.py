@@ -26,23 +26,34 @@ import time
 IMPORT_S = 300.0  # a spawned process imports torch (and initialises CUDA) within this
 
 
+def join_pair(rank: int, backend: str, timeout_s: float, ports, joins, wait_s: float = IMPORT_S,
+              local_host: str | None = None) -> int:
+    """One of two local processes joins a world as the learner ranks do (actors/learner/world.py, with
+    the bound `timeout_s`): rank 0 binds the store on loopback and hands its port through `ports` (a
+    multiprocessing queue), rank 1 takes it; both start the join together at `joins` (a barrier of 2),
+    since imports on a loaded machine take longer than the bound. Gloo binds `local_host` (default
+    loopback). Returns the store's port. Used here and by tests/test_collective_bounds.py."""
+    from actors.learner.world import LOOPBACK, bind_store, init_world
+
+    if rank == 0:
+        store, host, port = bind_store(2, timeout_s, host=LOOPBACK)
+        ports.put(port)
+    else:
+        store, host, port = None, LOOPBACK, ports.get(timeout=wait_s)
+    joins.wait(wait_s)
+    init_world(rank, 2, backend, timeout_s, store=store, host=host, port=port, local_host=local_host)
+    return port
+
+
 def _rank(rank: int, backend: str, timeout_s: float, ports, joins, out) -> None:
     import torch
     import torch.distributed as dist
-
-    from actors.learner.world import bind_store, init_world
 
     try:
         device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        if rank == 0:
-            store, host, port = bind_store(2, timeout_s, host="127.0.0.1")
-            ports.put(port)
-        else:
-            store, host, port = None, "127.0.0.1", ports.get(timeout=IMPORT_S)
-        joins.wait(IMPORT_S)
-        init_world(rank, 2, backend, timeout_s, store=store, host=host, port=port)
+        join_pair(rank, backend, timeout_s, ports, joins)
         groups = [("deepspeed-style new_group", dist.new_group([0, 1])), ("world", dist.group.WORLD)]
         x = torch.ones(1 << 20, device=device)
         for _, group in groups:

@@ -26,16 +26,20 @@ def tiny_dir(tmp_path_factory):
 
 # torch.distributed's and DeepSpeed's per-process variables: a process (or a later test's subprocess,
 # e.g. bench.peers') that inherits RANK believes it is a rank of some world.
-DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")
 
 
 @pytest.fixture(scope="module")
 def learner_process_env():
     """For a module that builds a Learner in the pytest process: the world-of-one variables DeepSpeed
-    reads (actors/learner/engine.py ensure_process_group), set for the module and removed after it.
-    Use it as `pytestmark = pytest.mark.usefixtures("learner_process_env")`."""
+    reads and the loopback interface its gloo group binds (actors/learner/engine.py ensure_process_group),
+    set for the module and removed after it. Use it as
+    `pytestmark = pytest.mark.usefixtures("learner_process_env")`."""
+    from actors.learner.world import LOOPBACK, interface_of
+
     with pytest.MonkeyPatch.context() as mp:
-        for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
+                           ("GLOO_SOCKET_IFNAME", interface_of(LOOPBACK) or "lo")):
             mp.setenv(key, value)
         yield
 

@@ -34,16 +34,11 @@ def _rank_main(rank: int, ports, joins, results) -> None:
         import torch.distributed as dist
 
         from actors.learner.engine import _skip_cpu_shm_comm_build
-        from actors.learner.world import bind_store, init_world, is_collective_failure
+        from actors.learner.world import is_collective_failure
+        from bench.collective_bound import join_pair
 
         _skip_cpu_shm_comm_build()  # as the learner does (a JIT build of an op it never uses)
-        if rank == 0:
-            store, host, port = bind_store(2, BOUND_S, host="127.0.0.1")
-            ports.put(port)
-        else:
-            store, host, port = None, "127.0.0.1", ports.get(timeout=GUARD_S)
-        joins.wait(GUARD_S)
-        init_world(rank, 2, "gloo", BOUND_S, store=store, host=host, port=port)
+        join_pair(rank, "gloo", BOUND_S, ports, joins, GUARD_S)
         deepspeed.init_distributed("gloo")  # wraps the world above, as deepspeed.initialize does
         joins.wait(GUARD_S)
         groups = {"world": dist.group.WORLD, "deepspeed": deepspeed.comm.new_group([0, 1])}
@@ -115,6 +110,75 @@ def test_collective_failures_are_told_from_other_errors():
     assert is_collective_failure(dist.DistBackendError("NCCL communicator was aborted"))
     assert not is_collective_failure(RuntimeError("CUDA out of memory"))
     assert not is_collective_failure(ValueError("learner checkpoint x was saved by 2 learner rank(s)"))
+
+
+# ----------------------------------------------------------------------------- where gloo binds
+
+
+def test_ranks_on_one_node_bind_loopback_and_ranks_on_several_their_node_address():
+    from actors.learner.world import LOOPBACK, interface_of, world_hosts
+
+    assert world_hosts(["10.0.0.5", "10.0.0.5"]) == (LOOPBACK, [LOOPBACK, LOOPBACK])
+    assert world_hosts(["10.0.0.5"]) == (LOOPBACK, [LOOPBACK])
+    assert world_hosts(["10.0.0.5", "10.0.0.6", "10.0.0.5"]) == ("10.0.0.5", ["10.0.0.5", "10.0.0.6", "10.0.0.5"])
+    assert interface_of(LOOPBACK) is not None and interface_of("192.0.2.254") is None  # TEST-NET: nobody's
+
+
+def _non_loopback_ipv4() -> str | None:
+    import socket
+
+    import psutil
+
+    return next((a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                 if a.family == socket.AF_INET and not a.address.startswith("127.")), None)
+
+
+def _bound_rank(rank: int, local_host: str, ports, joins, results) -> None:
+    """One rank of a 2-rank gloo world whose gloo binds `local_host`; reports the local addresses of its
+    own TCP sockets other than the store's (the gloo pairs' and listener's)."""
+    try:
+        import psutil
+        import torch
+        import torch.distributed as dist
+
+        from bench.collective_bound import join_pair
+
+        store_port = join_pair(rank, "gloo", GUARD_S, ports, joins, GUARD_S, local_host=local_host)
+        dist.all_reduce(torch.ones(4))
+        socks = [c for c in psutil.Process().net_connections(kind="tcp")
+                 if c.laddr and store_port not in (c.laddr.port, c.raddr.port if c.raddr else None)]
+        results.put(("bound", rank, sorted({c.laddr.ip for c in socks}), os.environ.get("GLOO_SOCKET_IFNAME")))
+        joins.wait(GUARD_S)  # both reported before either tears the world down
+    except BaseException as exc:  # noqa: BLE001
+        results.put(("crash", rank, repr(exc)[:500], None))
+
+
+@pytest.mark.slow  # two spawned processes importing torch: ~20-40 s on 2 busy cores
+@pytest.mark.parametrize("where", ["loopback", "node address"])
+def test_gloo_binds_the_address_it_is_given_not_what_the_host_name_resolves_to(where):
+    """A learner world's gloo sockets sit on loopback (one node) or on the node's address (several
+    nodes), whatever the host name resolves to (here: 127.0.0.1, so the node-address case shows gloo no
+    longer binds by name)."""
+    local_host = "127.0.0.1" if where == "loopback" else _non_loopback_ipv4()
+    if local_host is None:
+        pytest.skip("this host has no address besides loopback")
+    ctx = mp.get_context("spawn")
+    ports, joins, results = ctx.Queue(), ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_bound_rank, args=(r, local_host, ports, joins, results), daemon=True) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted(results.get(timeout=GUARD_S) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(GUARD_S)
+            if p.is_alive():
+                p.kill()
+    from actors.learner.world import interface_of
+
+    for kind, rank, addresses, ifname in got:
+        assert kind == "bound", (rank, addresses)
+        assert addresses == [local_host] and ifname == interface_of(local_host), (rank, addresses, ifname)
 
 
 # ----------------------------------------------------------------------------- weight-sync broadcast

@@ -42,15 +42,18 @@ def ensure_process_group(device: torch.device, timeout_s: float) -> None:
     made here (not already by actors/learner/world.py) is bounded by `timeout_s` as well."""
     import torch.distributed as dist
 
-    from actors.learner.world import init_bounded
+    from actors.learner.world import LOOPBACK, bind_gloo_to, init_bounded
 
     if dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     if "RANK" not in os.environ or os.environ.get("WORLD_SIZE", "1") == "1":
         # A world of one rendezvous with nobody: an in-process store, so no TCPStore listens on
-        # every interface and no MASTER_PORT inherited from a parent process can collide.
+        # every interface and no MASTER_PORT inherited from a parent process can collide; its gloo
+        # device binds loopback, not what the host name resolves to.
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        if backend == "gloo":
+            bind_gloo_to(LOOPBACK)
         init_bounded(backend, timeout_s, store=dist.HashStore(), rank=0, world_size=1)
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -3,8 +3,9 @@
 Invariants:
 - Rank i is the Ray actor `<names>:learner-<i>`, one process each (on GPU one GPU each), created by the
   launcher (launch/place.py create_learner), never by the group; rank 0 is `ranks[0]`. A world of one keeps its in-process HashStore (no socket at all).
-- A world of N rendezvous on a TCPStore that rank 0 binds on its node's address (never on every
-  interface) and a free port; the other ranks connect to it. Every wait is bounded: the store's
+- A world of N rendezvous on a TCPStore that rank 0 binds (never on every interface) on a free port:
+  on loopback when every rank runs on one node, else on rank 0's node address as Ray reports it; each
+  rank's gloo groups bind the same way (loopback, or its own node address: world.world_hosts). Every wait is bounded: the store's
   and the process group's timeouts, and `joined` waits at most `timeout_s` for the ranks to join.
 - Every method the coordinator and the launcher call is an `async def` that fans out to every rank
   that must take part (collectives: every rank; the stream, the step ledger: rank 0 only) and
@@ -69,9 +70,13 @@ class LearnerGroup:
     def _join(self, timeout_s: float) -> None:
         import ray
 
+        from actors.learner.world import world_hosts
+
         t0 = time.monotonic()
-        host, port = ray.get(self.ranks[0].listen.remote(), timeout=min(timeout_s, 600.0))
-        refs = [r.join.remote(host, port) for r in self.ranks]
+        wait = min(timeout_s, 600.0)
+        store_host, local_hosts = world_hosts(ray.get([r.node_ip.remote() for r in self.ranks], timeout=wait))
+        host, port = ray.get(self.ranks[0].listen.remote(store_host), timeout=wait)
+        refs = [r.join.remote(host, port, local) for r, local in zip(self.ranks, local_hosts)]
         pending = list(refs)
         deadline = t0 + timeout_s
         while pending:

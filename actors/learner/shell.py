@@ -62,22 +62,29 @@ class LearnerShell:
         return (f"LearnerShell(rank {self.rank}/{self.world_size}: step {learner.step}, "
                 f"{'asleep' if learner.asleep else 'awake'}, {len(getattr(self, 'trained_steps', ()))} steps trained)")
 
-    def listen(self) -> tuple[str, int]:
-        """Rank 0 of a world > 1: binds the world's store; returns where the others connect."""
+    def node_ip(self) -> str:
+        """This rank's node address as Ray reports it (the group decides from all ranks' where to bind)."""
+        from weights.broadcast import node_ip
+
+        return node_ip()
+
+    def listen(self, host: str | None = None) -> tuple[str, int]:
+        """Rank 0 of a world > 1: binds the world's store on `host` (default: this node's address);
+        returns where the others connect."""
         from actors.learner.world import bind_store
 
-        self._store, host, port = bind_store(self.world_size, self._args[0].collective_timeout_s)
+        self._store, host, port = bind_store(self.world_size, self._args[0].collective_timeout_s, host=host)
         return host, port
 
-    def join(self, host: str, port: int) -> None:
-        """Every rank of a world > 1, concurrently: joins the process group, then builds the Learner
-        (deepspeed.initialize is collective)."""
+    def join(self, host: str, port: int, local_host: str | None = None) -> None:
+        """Every rank of a world > 1, concurrently: joins the process group (gloo bound to `local_host`),
+        then builds the Learner (deepspeed.initialize is collective)."""
         from actors.learner.world import init_world
 
         device = self._args[0].device
         cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
         init_world(self.rank, self.world_size, "nccl" if cuda else "gloo", self._args[0].collective_timeout_s,
-                   store=self._store, host=host, port=port)
+                   store=self._store, host=host, port=port, local_host=local_host)
         self.learner = Learner(*self._args)
 
     async def connect(self) -> None:

@@ -12,6 +12,12 @@ Invariants:
 - `is_collective_failure` names what the launcher relaunches on besides a dead actor: a collective
   that failed on a peer (gloo's transport errors, torch's DistError), since the world cannot go on.
 - The store listens on this node's address alone, on a free port.
+- Gloo binds what the caller names, never what the host name resolves to (gloo's default, loopback on
+  some hosts and a public interface on others): `local_host` is loopback when every rank runs on one
+  node (the group decides: `world_hosts`) and the node address Ray reports otherwise; every gloo group
+  of the process (DeepSpeed's too) gets it through GLOO_SOCKET_IFNAME, the interface holding that
+  address, unless the user set GLOO_SOCKET_IFNAME. A world of one (actors/learner/engine.py) binds
+  loopback.
 """
 from __future__ import annotations
 
@@ -34,12 +40,55 @@ def bind_store(world_size: int, timeout_s: float, host: str | None = None):
     return store, host, store.port
 
 
+LOOPBACK = "127.0.0.1"
+
+
+def world_hosts(node_ips: list[str]) -> tuple[str, list[str]]:
+    """(the store's host, each rank's local gloo address) for ranks on `node_ips` (Ray's node address of
+    each rank, rank 0 first): loopback for all when they share one node, else the node addresses."""
+    if len(set(node_ips)) <= 1:
+        return LOOPBACK, [LOOPBACK] * len(node_ips)
+    return node_ips[0], list(node_ips)
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this host's network interface that holds `address` (None when none does)."""
+    import ipaddress
+
+    import psutil
+
+    if ipaddress.ip_address(address).is_loopback:
+        address = LOOPBACK if ":" not in address else address
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addrs):
+            return name
+    return None
+
+
+def bind_gloo_to(local_host: str) -> None:
+    """Every gloo group this process creates from now on binds the interface holding `local_host`
+    (GLOO_SOCKET_IFNAME, read by each group as it is made), unless the user chose one."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    name = interface_of(local_host)
+    if name is None:
+        raise RuntimeError(f"learner rendezvous: no network interface of this host holds {local_host}")
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+
+
 def init_world(rank: int, world_size: int, backend: str, timeout_s: float, store: Any = None, host: str = "",
-               port: int = 0) -> None:
-    """Joins this process to the learner's default process group (rank 0 passes its own store)."""
+               port: int = 0, local_host: str | None = None) -> None:
+    """Joins this process to the learner's default process group (rank 0 passes its own store). Gloo
+    binds `local_host` (default: loopback when the store is on loopback, else this node's address)."""
+    import ipaddress
+
     import torch.distributed as dist
 
+    from weights.broadcast import node_ip
+
     timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        bind_gloo_to(local_host or (LOOPBACK if ipaddress.ip_address(host or LOOPBACK).is_loopback else node_ip()))
     if store is None:
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
     # DeepSpeed and the learner read these; each rank sees only its own GPU (Ray sets
