@@ -1,8 +1,9 @@
-"""The pool of sandboxed SQLite worker processes that runs tasks/sandbox.py's execution with a
-wall-clock deadline per query (the scorer, the generator's tools, launch.eval and launch.serve use it).
+"""The pool of sandboxed SQLite worker processes that runs tasks/sql_exec.py's execution with a
+wall-clock deadline per query (the scorer, the generator's tools, launch.eval and launch.serve use it;
+tasks/sandbox.py re-exports it).
 
 Invariants:
-- A query never runs past its deadline: SQLite interrupts it after `timeout_s` (tasks/sandbox.py),
+- A query never runs past its deadline: SQLite interrupts it after `timeout_s` (tasks/sql_exec.py),
   and the pool kills (and replaces) a worker that has not answered `grace_s` later, even one stuck in
   C code. Each worker caps its own address space and SQLite's heap once, at start.
 - One bad query never takes the pool down: a dead worker's job gets an error result and the
@@ -17,7 +18,7 @@ Invariants:
   timeout plus the grace. Every result says how long it waited for a worker (`queue_wait_s`) apart
   from its execution (`seconds`).
 - Workers are fresh interpreters (never a fork of a threaded parent) that import only this module,
-  tasks/sandbox.py and queues.errors (stdlib only).
+  tasks/sql_exec.py and queues.errors (stdlib only).
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 
 from queues.errors import one_line
-from tasks.sandbox import ERROR, TIMEOUT, ExecResult, execute_readonly, open_readonly
+from tasks.sql_exec import ERROR, TIMEOUT, ExecResult, execute_readonly, open_readonly
 
 _READY = "ready"  # a worker's first message: it is up and its limits are set
 START_S = 60.0  # a worker that has not said ready by then is replaced
