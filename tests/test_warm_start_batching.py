@@ -13,6 +13,8 @@ from tasks.bird import build_prompts, load_split
 from tasks.synthetic import TINY_TEMPLATES, texts_for_tokenizer, write_dataset
 from tasks.tiny_model import build_tiny
 
+pytestmark = pytest.mark.usefixtures("learner_process_env")  # it builds Learners in this process
+
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):

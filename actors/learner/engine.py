@@ -45,6 +45,9 @@ def ensure_process_group(device: torch.device, timeout_s: float) -> None:
     from actors.learner.world import LOOPBACK, bind_gloo_to, init_bounded
 
     if dist.is_initialized():
+        # DeepSpeed reads LOCAL_RANK; a world made before this Learner (init_world, or an earlier Learner
+        # of this process) has one device per process, so 0 unless it was set.
+        os.environ.setdefault("LOCAL_RANK", "0")
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     if "RANK" not in os.environ or os.environ.get("WORLD_SIZE", "1") == "1":
