@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 from actors.coordinator.bounds import bounded_verb, call_bound
 from actors.shell import ActorCallTimeout, await_within
