@@ -229,7 +229,11 @@ def gpu1_0p6b_async() -> RunConfig:
     the engine parks its in-flight requests and continues them under the new weights (partial rollouts),
     the weights go over CUDA IPC on the card (the colocated path's transport), and the loss corrects for
     the behaviour policy with TIS at 2 (as gpu1_0p6b). Its warm start runs beside the resident engine.
-    Compare with gpu1_0p6b in one device call: `python -m bench.gpu_async`."""
+    Compare with gpu1_0p6b in one device call: `python -m bench.gpu_async`. Measured on one H200
+    (2026-12-04, seed 0, 40 steps; docs/perf/vllm_sync.md): 49.7 samples/s a whole step against
+    colocated's 30.1 (1.65x), held-out reward 0.216 -> 0.291 and greedy 0.177 -> 0.285 (colocated 0.268 /
+    0.247), 52.0 GiB resident against 44.7; its start-up is longer (the learner built and asleep before the
+    engine starts), so the whole run took 483 s, over gpu1_0p6b's 8-minute bound: an option, not the default."""
     cfg = gpu1_0p6b()
     cfg.name = "gpu1_0p6b_async"
     cfg.coordinator.mode = "async"
