@@ -5,6 +5,8 @@ stored in a per-database form that one query reveals), the same seeds and steps.
     SEEDS=0 STEPS=10 .venv/bin/python -m bench.tiny_turns
     RECIPES="tiny tiny_mt" .venv/bin/python -m bench.tiny_turns   # the earlier pair (docs/perf/tiny.md)
     OVERRIDES="data.synthetic_questions=3000" .venv/bin/python -m bench.tiny_turns   # given to both recipes
+    MERGE="/tmp/tt0 /tmp/tt1 /tmp/tt2" .venv/bin/python -m bench.tiny_turns   # no runs: one table and figure
+                                                                            # from earlier OUT dirs (seeds run apart)
 
 Each seed runs both recipes side by side (two launcher processes on the 2 cores), then the next seed.
 Reads each run's metrics.jsonl: the held-out greedy accuracy (eval_accuracy) and sampled reward
@@ -41,7 +43,7 @@ def launch(recipe: str, seed: int, root: Path) -> subprocess.Popen:
 
 
 def curve(run_dir: Path) -> dict:
-    evals, last = [], {}
+    evals, last, steps = [], {}, []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         m = json.loads(line)
         if "eval_accuracy" in m:
@@ -49,13 +51,19 @@ def curve(run_dir: Path) -> dict:
                           m.get("eval_sample_accuracy", 0.0)))
         if m.get("step", -1) >= 0 and "turns_mean" in m:
             last = {k: m[k] for k in ("turns_mean", "tool_use_frac", "revision_gain", "reward_mean") if k in m}
-    return {"evals": evals, "last": last}
+            steps.append(last)
+    mean = {k: sum(s.get(k, 0.0) for s in steps) / len(steps) for k in last} if steps else {}
+    return {"evals": evals, "last": last, "mean": mean}
 
 
 def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
-    for seed in SEEDS:
+    merge = os.environ.get("MERGE", "").split()
+    for d in merge:
+        results.update(json.loads((Path(d) / "tiny_turns.json").read_text()))
+    seeds = sorted({int(k.rsplit("-s", 1)[1]) for k in results}) if merge else SEEDS
+    for seed in ([] if merge else SEEDS):
         t0 = time.time()
         procs = {r: launch(r, seed, OUT) for r in RECIPES}
         for r, p in procs.items():
@@ -65,10 +73,10 @@ def main() -> int:
         (OUT / "tiny_turns.json").write_text(json.dumps(results, indent=1))
     one_name, mt_name = RECIPES
     lines = [f"| seed | {one_name} greedy (first -> last) | {mt_name} greedy (first -> last) | gap at last | "
-             f"{mt_name} turns, tool use, revision gain (last step) |",
+             f"{mt_name} turns, tool use, revision gain: last step (mean over steps) |",
              "| --- | --- | --- | --- | --- |"]
     ok = True
-    for seed in SEEDS:
+    for seed in seeds:
         one, mt = results.get(f"{RECIPES[0]}-s{seed}", {}), results.get(f"{RECIPES[1]}-s{seed}", {})
         if not one.get("evals") or not mt.get("evals"):
             lines.append(f"| {seed} | rc {one.get('rc')} | rc {mt.get('rc')} | - | - |")
@@ -77,9 +85,10 @@ def main() -> int:
         a, b = one["evals"], mt["evals"]
         gap = b[-1][1] - a[-1][1]
         ok &= gap >= 0.05
-        lm = mt["last"]
+        lm, mm = mt["last"], mt.get("mean", {})
         lines.append(f"| {seed} | {a[0][1]:.3f} -> {a[-1][1]:.3f} | {b[0][1]:.3f} -> {b[-1][1]:.3f} | {gap:+.3f} | "
-                     f"{lm.get('turns_mean', 0):.2f}, {lm.get('tool_use_frac', 0):.2f}, {lm.get('revision_gain', 0):+.3f} |")
+                     + ", ".join(f"{lm.get(k, 0):.2f} ({mm.get(k, 0):.2f})" for k in ("turns_mean", "tool_use_frac", "revision_gain"))
+                     + " |")
     lines.append(f"\n{STEPS} GRPO steps, held-out greedy accuracy every {EVAL_EVERY}; bar (+0.05 on every seed): "
                  f"{'met' if ok else 'NOT met'}")
     print("\n".join(lines))
@@ -89,8 +98,8 @@ def main() -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, len(SEEDS), figsize=(4 * len(SEEDS), 3.2), squeeze=False)
-        for ax, seed in zip(axes[0], SEEDS):
+        fig, axes = plt.subplots(1, len(seeds), figsize=(4 * len(seeds), 3.2), squeeze=False)
+        for ax, seed in zip(axes[0], seeds):
             for r, style in zip(RECIPES, ("-o", "-s")):
                 ev = results.get(f"{r}-s{seed}", {}).get("evals", [])
                 ax.plot([e[0] for e in ev], [e[1] for e in ev], style, label=r)

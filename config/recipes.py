@@ -14,6 +14,8 @@ from config.schema import (AssemblerConfig, ClusterConfig, CoordinatorConfig, Da
 
 # tasks.synthetic.TINY_TEMPLATES (config/ imports nothing of ours; tests/test_tiny_task.py keeps them equal)
 TINY_TEMPLATES = (0, 1, 3, 4, 5, 6, 8)
+# tiny_forms' and tiny_look's: tiny's templates whose gold compares a place or category value (0, 1, 4, 5)
+FORMS_TEMPLATES = (0, 1, 4, 5)
 # gpu1_0p6b's: tiny's and the two it leaves out for their length or their two-word values (2, 7)
 GPU1_TEMPLATES = (0, 1, 2, 3, 4, 5, 6, 7, 8)
 
@@ -91,6 +93,7 @@ def tiny_forms() -> RunConfig:
     cfg = tiny()
     cfg.name = "tiny_forms"
     cfg.data.synthetic_value_forms = "suffix"
+    cfg.data.synthetic_templates = list(FORMS_TEMPLATES)
     cfg.data.synthetic_domains = 3
     cfg.data.synthetic_databases = 9
     cfg.data.synthetic_held_out_databases = 6

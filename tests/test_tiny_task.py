@@ -67,6 +67,9 @@ def test_recipes_name_the_tiny_templates():
     from config import recipes
 
     assert recipes.TINY_TEMPLATES == TINY_TEMPLATES
+    # tiny_forms' templates: exactly tiny's whose gold compares a place or category value
+    assert recipes.FORMS_TEMPLATES == tuple(t for t in TINY_TEMPLATES
+                                            if "'{v_place}'" in TEMPLATES[t][2] or "'{v_cat}'" in TEMPLATES[t][2])
     assert recipes.RECIPES["tiny"]().data.synthetic_templates == list(TINY_TEMPLATES)
 
 
