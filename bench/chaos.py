@@ -297,8 +297,9 @@ def phase_resume(run_root: Path, steps: int, sft: int, per_step: int, seed: int,
             break
         os.kill(pids[0], signal.SIGKILL)
         at = time.time()
-        ckpt = json.loads((run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
-                           / "coordinator.json").read_text())["step"]
+        marker = run_dir / "checkpoints" / "latest"  # none yet: the run starts again at step 0 (= -1 + 1)
+        ckpt = json.loads((run_dir / "checkpoints" / marker.read_text().strip() / "coordinator.json").read_text()
+                          )["step"] if marker.exists() else -1
         if auto:  # the launcher tears the actors down, then says so; rows after that are the resumed run's
             if not _wait_log(run_root / f"{run_id}.log", "relaunching from", i + 1, launch, 300):
                 break

@@ -328,6 +328,9 @@ def run(cfg: RunConfig) -> int:
             if purged:
                 log.info("resume: dropped the crashed attempt's streams", keys=purged)
         start_ray(cfg, run_dir, log)
+        # Again: ray.init installs its own SIGTERM handler (the driver aborts with a C++ stack, skipping
+        # this teardown); ours makes SIGTERM the Ctrl-C path (bench/soak.py stops every half with it).
+        signal.signal(signal.SIGTERM, on_sigterm)
         import ray
 
         log.info("run started", run_id=run_id, run_dir=str(run_dir), redis=redis_server.socket_path if redis_server else
@@ -392,7 +395,9 @@ def run_with_relaunches(cfg: RunConfig, ctx: RunContext, model_path: str, train_
     """place_and_run, started again from the latest checkpoint when the learner or the
     coordinator dies (actors Ray does not restart), any actor freezes (a call to it ran past
     coordinator.call_timeout_s; the relaunch kills it) or a learner collective fails on a dead or hung
-    peer (learner.collective_timeout_s), up to cluster.max_relaunches times."""
+    peer (learner.collective_timeout_s), up to cluster.max_relaunches times. Before the run's first
+    checkpoint it starts again from the beginning (warm start included): nothing of the attempt counts,
+    its metrics rows are superseded by the new attempt's."""
     from actors.coordinator.coordinator import Coordinator
     from launch.place import kill_run_actors, place_and_run
 
@@ -404,16 +409,17 @@ def run_with_relaunches(cfg: RunConfig, ctx: RunContext, model_path: str, train_
             return place_and_run(cfg, ctx, model_path, train_items, eval_items, log, names)
         except Exception as e:  # noqa: BLE001 - re-raised unless it is an actor death we can resume from
             latest = Coordinator.latest_checkpoint(Path(ctx.run_dir))
-            if not actor_died(e) or latest is None or relaunches >= cfg.cluster.max_relaunches:
+            if not actor_died(e) or relaunches >= cfg.cluster.max_relaunches:
                 raise
             relaunches += 1
+            origin = latest.name if latest is not None else "the start (no checkpoint yet)"
             log.warning("an actor died or froze, or a collective failed: relaunching the run from its latest checkpoint",
-                        error=one_line(e), checkpoint=latest.name, relaunch=relaunches, of=cfg.cluster.max_relaunches)
-            print(f"relaunching from {latest.name} ({relaunches}/{cfg.cluster.max_relaunches}): {one_line(e)}",
+                        error=one_line(e), checkpoint=origin, relaunch=relaunches, of=cfg.cluster.max_relaunches)
+            print(f"relaunching from {origin} ({relaunches}/{cfg.cluster.max_relaunches}): {one_line(e)}",
                   flush=True)
             kill_run_actors(run_id)
             purge_run_keys(ctx.redis_url, run_id)
-            cfg.coordinator.resume = True
+            cfg.coordinator.resume = latest is not None
 
 
 def _dashboard_url() -> str:

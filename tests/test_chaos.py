@@ -41,3 +41,15 @@ def test_learner_and_coordinator_deaths_are_resumed_by_the_launcher_itself(tmp_p
     assert r["resume_ok"] and r.get("cursor_ok"), r["injected"]
     assert (r["lost"], r["doubled"], r["bad_rows"]) == (0, 0, 0), r["problems"]
     assert r["leftovers"] == []
+
+
+def test_a_learner_death_before_the_first_checkpoint_starts_the_run_again(tmp_path):
+    """No checkpoint yet (coordinator.checkpoint_every=0: only the final one): the launcher relaunches
+    the run from its start instead of failing, and the run ends with every prompt accounted once."""
+    r = phase_resume(tmp_path, steps=5, sft=25, per_step=8, seed=2, victims=("learner",), auto=True,
+                     extra=("data.limit=8", "coordinator.checkpoint_every=0"))
+    assert r["rc"] == [0] and [k["kind"] for k in r["injected"]] == ["learner"], r
+    assert r["injected"][0]["checkpoint_step"] == -1 and r["resume_ok"], r["injected"]
+    assert r["trained"] >= 16, r  # of 40: a step trained twice would show as doubled
+    assert (r["lost"], r["doubled"], r["bad_rows"]) == (0, 0, 0), r["problems"]
+    assert r.get("cursor_ok") and r["leftovers"] == []
