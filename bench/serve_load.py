@@ -18,7 +18,8 @@ database, a streamed chat completion). The probe GETs /healthz every 0.25 s.
 
 Reported (JSON and markdown): per route, requests, p50 / p99 / max latency and status counts; every
 5xx and every client-side error (a timeout or a dropped connection counts as one: nothing is allowed to
-hang); the hostile clients' statuses and verdicts by kind; /healthz's p50 / p99 / max. The verdict the
+hang); the hostile clients' statuses and verdicts by kind; /healthz's p50 / p99 / max under the load,
+and its p50 / max on the idle service just before (what the machine's own load costs it). The verdict the
 bench gives (exit 0): no 5xx, no client error, each hostile request answered with a 4xx or a 200 whose
 verdict is not "ok" (the sandbox refused it or cut it short).
 """
@@ -150,8 +151,11 @@ async def load(url: str, questions, clients: int, seconds: float, hostile_fracti
     ordinary, hostile = ordinary_requests(questions), hostile_requests(db)
     tally, healthz, health_fail = Tally(), [], []
     limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
+    idle: list[float] = []
     async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S, limits=limits) as http, \
             httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S) as probe_http:
+        # /healthz of the idle service first: what the machine alone costs it (a shared machine's load)
+        await _probe(probe_http, time.monotonic() + min(10.0, seconds / 4), idle, health_fail)
         stop_at = time.monotonic() + seconds
         start = time.perf_counter()
         await asyncio.gather(
@@ -170,7 +174,9 @@ async def load(url: str, questions, clients: int, seconds: float, hostile_fracti
             "hostile_answered_ok": tally.hostile_ok,
             "healthz": {"n": len(healthz), "p50_ms": round(1000 * percentile(healthz, 0.5), 1) if healthz else None,
                         "p99_ms": round(1000 * percentile(healthz, 0.99), 1) if healthz else None,
-                        "max_ms": round(1000 * max(healthz), 1) if healthz else None, "failures": health_fail}}
+                        "max_ms": round(1000 * max(healthz), 1) if healthz else None, "failures": health_fail,
+                        "idle_p50_ms": round(1000 * percentile(idle, 0.5), 1) if idle else None,
+                        "idle_max_ms": round(1000 * max(idle), 1) if idle else None}}
 
 
 class Service:
@@ -224,12 +230,13 @@ def markdown(results: list[dict]) -> str:
         for route, v in r["routes"].items():
             st = ", ".join(f"{k}: {n}" for k, n in sorted(v["status"].items()))
             out.append(f"| {r['replicas']} | {route} | {v['n']} | {v['p50_ms']} | {v['p99_ms']} | {v['max_ms']} | {st} |")
-    out += ["", "| replicas | clients (hostile) | seconds | requests/s | 5xx | client errors | /healthz p50 / p99 / max ms |",
-            "|---|---|---|---|---|---|---|"]
+    out += ["", "| replicas | clients (hostile) | seconds | requests/s | 5xx | client errors | /healthz p50 / p99 / max ms |"
+            " /healthz idle p50 / max ms |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         h = r["healthz"]
         out.append(f"| {r['replicas']} | {r['clients']} ({r['hostile_clients']}) | {r['seconds']} | {r['rps']} | "
-                   f"{len(r['server_errors'])} | {len(r['client_errors'])} | {h['p50_ms']} / {h['p99_ms']} / {h['max_ms']} |")
+                   f"{len(r['server_errors'])} | {len(r['client_errors'])} | {h['p50_ms']} / {h['p99_ms']} / {h['max_ms']} |"
+                   f" {h['idle_p50_ms']} / {h['idle_max_ms']} |")
     out += ["", "| replicas | hostile request | answers (status verdict: count) |", "|---|---|---|"]
     for r in results:
         for kind, counts in sorted(r["hostile"].items()):

@@ -261,7 +261,7 @@ def init_local_ray(log=None, **kwargs) -> None:
     """ray.init(address="local", **kwargs): always a new cluster of our own, never one found through
     /tmp/ray/ray_current_cluster (another user's or another run's; RAY_ADDRESS joins one). Started again
     (after a shutdown) when Ray's fixed 30 s raylet wait ran out, LOCAL_RAY_ATTEMPTS times in all; any
-    other error is raised at once. Used by the launcher and by the tests' local clusters."""
+    other error is raised at once. Used by the launcher, launch.serve and the tests' local clusters."""
     import ray
 
     for attempt in range(1, LOCAL_RAY_ATTEMPTS + 1):

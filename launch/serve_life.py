@@ -171,7 +171,7 @@ def main(argv: list[str] | None, start) -> int:
     try:
         import ray
 
-        from launch.run import ray_on_loopback
+        from launch.run import init_local_ray, ray_on_loopback
 
         if args.ray_address:
             ray.init(address=args.ray_address)
@@ -179,7 +179,7 @@ def main(argv: list[str] | None, start) -> int:
             temp_dir = tempfile.mkdtemp(prefix="arl-serve-ray-")
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             with ray_on_loopback(True):  # Ray's own sockets on 127.0.0.1, as the training launcher's
-                ray.init(address="local", include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
+                init_local_ray(None, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
         interrupt_on_sigterm()  # again: ray.init installs its own handler (sys.exit(15), skipping the message)
         opts = ServeOptions(model=str(Path(args.model).resolve()), bird_dir=str(Path(args.bird_dir).resolve()),
                             split=args.split, engine=engine, device=args.device, max_batch_size=args.max_batch_size,

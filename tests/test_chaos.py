@@ -2,7 +2,9 @@
 
 A tiny run with real redis-server (AOF) and Ray loses one generator, one scorer, the assembler
 (SIGKILL) and its redis-server; then a second run loses its learner and resumes from its
-checkpoint. Nothing may be lost or trained twice, and nothing may be left running.
+checkpoint; one launch survives its learner's and coordinator's deaths by relaunching itself, and one
+whose learner dies before any checkpoint starts again from the beginning. Nothing may be lost or trained
+twice, and nothing may be left running.
 The full 20+ kill figures are in docs/RELIABILITY.md.
 """
 from __future__ import annotations
