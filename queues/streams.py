@@ -10,7 +10,8 @@ Invariants:
 - `publish` waits while the stream holds more than `high_water` entries not yet acked
   (backpressure), so a fast producer cannot fill Redis.
 - Connection loss is retried with backoff; past the deadline it is one RedisUnavailable error
-  naming the URL (password redacted).
+  naming the URL (password redacted). An actor's first connect (`RunStreams.open`) has the same
+  budget as a reconnect mid-run.
 - This module is the only way to Redis outside queues/: an actor opens a `RunStreams` (one run's
   connection) and reads and writes through its `Stream`s and `StageHash`es; `ping`, `ping_blocking`
   and `purge_run` serve the launcher and the preflight probe.
@@ -279,7 +280,10 @@ class RunStreams:
         self.run_id = run_id
 
     @classmethod
-    async def open(cls, url: str, run_id: str, *, timeout_s: float = 10.0) -> "RunStreams":
+    async def open(cls, url: str, run_id: str, *, timeout_s: float = 30.0) -> "RunStreams":
+        """An actor's connection: the same 30 s budget as a connection lost mid-run (`with_retry`), so an
+        actor Ray restarts while Redis restarts or the host is saturated waits as long as a live one would
+        (the hour's soak saw a restarted generator miss a 10 s connect at load ~130 and end the run)."""
         return cls(await connect(url, timeout_s=timeout_s), run_id)
 
     def stream(self, stage: str, group: str | None = None, **kwargs) -> "Stream":
