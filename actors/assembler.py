@@ -35,16 +35,14 @@ from typing import Any
 import msgspec
 import numpy as np
 import structlog
-import torch
 
 from actors.shell import RESTARTABLE
 from config import AssemblerConfig, RunContext
 from observe.logs import setup_actor_logging
 from policies.episode import episode_metrics
-from policies.grpo import group_advantages
+from policies.advantages import group_advantages
 from policies.overlong import shape
-from policies.packing import plan_micro_batches, split_minibatches
-from policies.prefix import plan_group_micro_batches
+from policies.plan import plan_group_micro_batches, plan_micro_batches, split_minibatches
 from queues.errors import one_line
 from queues.messages import (SchemaError, ScoredGroup, TrainBatch, TrainGroup, codec, oldest_version, sample_versions,  # noqa: F401
                             task_step)  # task_step: re-exported (it lives in queues.messages)
@@ -96,8 +94,7 @@ def build_batch(step: int, version: int, groups: list[ScoredGroup], cfg: Assembl
     prompt_lens: list[int] = []
     comp_lens: list[list[int]] = []
     for gi, g in enumerate(groups):
-        rewards = torch.tensor([g.rewards], dtype=torch.float64)
-        adv, _ = group_advantages(rewards, normalize_std=cfg.normalize_std)
+        adv, _ = group_advantages([g.rewards], normalize_std=cfg.normalize_std)
         kept = [i for i in range(len(g.rollout.samples)) if keep is None or keep[gi][i]]
         samples = [g.rollout.samples[i] for i in kept]
         prompt = g.rollout.task.prompt_tokens

@@ -35,7 +35,11 @@ def tiny() -> RunConfig:
     column, aggregate or order), so the warm policy mostly answers with the slip and samples the gold
     query only some of the time; GRPO then finds the reward the slips leave. Held-out prompts are
     asked on three databases of their own, and none of their texts is a training question.
-    ~3.5 minutes on 2 cores (docs/perf/tiny.md)."""
+    ~3.5 minutes on 2 cores (docs/perf/tiny.md).
+
+    No Ray dashboard (cluster.dashboard=false): on a laptop-sized CPU run its head and 9 module
+    processes were ~1.0 GB of the run's ~3.8 GB, more than the learner and the generator together;
+    `cluster.dashboard=true` brings it back (http://127.0.0.1:8265). The GPU recipes keep it on."""
     return RunConfig(
         name="tiny",
         data=DataConfig(synthetic=True, synthetic_databases=3, synthetic_questions=1200, max_prompt_tokens=256,
@@ -52,7 +56,7 @@ def tiny() -> RunConfig:
                               update_epochs=1, clip_low=0.2, clip_high=0.28, device="cpu", num_cpus=0.5),
         coordinator=CoordinatorConfig(mode="colocated", steps=60, prompts_per_step=16, eval_every=10,
                                       checkpoint_every=30, weight_sync="object_store", num_cpus=0.25),
-        cluster=ClusterConfig(num_cpus=2, gpus_per_node=0),
+        cluster=ClusterConfig(num_cpus=2, gpus_per_node=0, dashboard=False),
     )
 
 

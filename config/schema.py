@@ -253,6 +253,10 @@ class ClusterConfig(_Section):
     gpus_per_node: int = 0
     gpu_memory_gib: float = 80.0  # per GPU, for the --dry-run memory plan
     num_cpus: int = 0  # local cluster CPUs (0: the host's, or what a CPU recipe's actors ask for when that is more)
+    # Ray's dashboard on a cluster the launcher starts (a joined cluster keeps its own): its head, a
+    # forkserver and 9 module processes, ~1.0 GB RSS on a tiny run (docs/perf/peers.md); false leaves
+    # Ray's own minimal API server (no UI). The Ray version has no switch for fewer modules.
+    dashboard: bool = True
     dashboard_host: str = "127.0.0.1"
     ray_loopback: bool = True  # a local cluster's own servers (GCS, raylet, workers, agents) on loopback only;
     # false: Ray's default (the host's address, all interfaces), e.g. to let other nodes join it

@@ -277,7 +277,28 @@ def init_local_ray(log=None, **kwargs) -> None:
             ray.shutdown()
 
 
+@contextlib.contextmanager
+def environ(values: dict[str, str]):
+    """os.environ with `values` set, restored after: a local cluster's processes (GCS, raylet, and the
+    workers the raylet starts) inherit the environment ray.init was called in."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def start_ray(cfg: RunConfig, run_dir: Path, log) -> None:
+    """A cluster joined (cluster.ray_address / $RAY_ADDRESS) gets run_env() as the job's runtime_env; a
+    local cluster inherits it from this process instead: a runtime_env sends every worker through Ray's
+    runtime-env agent (setup_worker.py) before it starts, ~13 s to the five actors on the loaded 2 cores
+    (docs/perf/peers.md), for variables a local raylet's workers inherit anyway. The dashboard of a local
+    cluster is cluster.dashboard (and off when ray[default]'s modules are missing)."""
     import ray
 
     from ray._private.utils import get_num_cpus as host_cpus
@@ -285,15 +306,15 @@ def start_ray(cfg: RunConfig, run_dir: Path, log) -> None:
     from config.placement import local_num_cpus, make_placement
 
     address = cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS", "")
-    runtime_env = {"env_vars": run_env()}
     if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
+        ray.init(address=address, runtime_env={"env_vars": run_env()}, log_to_driver=False)
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        with ray_on_loopback(cfg.cluster.ray_loopback):
+        with ray_on_loopback(cfg.cluster.ray_loopback), environ(run_env()):
             init_local_ray(log, num_cpus=cfg.cluster.num_cpus or local_num_cpus(make_placement(cfg), host_cpus()),
-                           num_gpus=cfg.cluster.gpus_per_node or None, include_dashboard=dashboard_available(log),
-                           dashboard_host=cfg.cluster.dashboard_host, runtime_env=runtime_env, log_to_driver=False,
+                           num_gpus=cfg.cluster.gpus_per_node or None,
+                           include_dashboard=cfg.cluster.dashboard and dashboard_available(log),
+                           dashboard_host=cfg.cluster.dashboard_host, log_to_driver=False,
                            _temp_dir=os.environ.get("ARL_RAY_TMP") or None)
 
 

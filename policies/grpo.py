@@ -26,6 +26,7 @@ from typing import Literal
 
 import torch
 
+from policies import advantages
 from policies.objectives import surrogate
 from policies.offpolicy import importance_weights, segment_sums
 
@@ -35,7 +36,8 @@ LOSS_AGGS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-tok
 
 def group_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO advantages of `rewards` [groups, n]: reward minus its group mean, over the group std.
+    """GRPO advantages of `rewards` [groups, n]: reward minus its group mean, over the group std
+    (policies.advantages, on numpy in float64; the assembler calls that one).
 
     Returns (advantages [groups, n], zero_variance_mask [groups]). A group whose rewards are all
     equal (or that has one sample) carries no signal: its advantages are exactly 0 and its mask
@@ -43,14 +45,11 @@ def group_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: flo
     """
     if rewards.ndim != 2:
         raise ValueError(f"rewards must be [groups, n], got shape {tuple(rewards.shape)}")
-    r = rewards.to(torch.float64) if rewards.dtype != torch.float64 else rewards
-    zero_variance = (r == r[:, :1]).all(dim=1)
-    centred = r - r.mean(dim=1, keepdim=True)
-    if normalize_std and r.shape[1] > 1:
-        # Unbiased std, as in the GRPO paper and verl; eps keeps near-constant groups finite.
-        centred = centred / (r.std(dim=1, keepdim=True) + eps)
-    advantages = torch.where(zero_variance[:, None], torch.zeros_like(centred), centred)
-    return advantages.to(rewards.dtype if rewards.is_floating_point() else torch.float32), zero_variance
+    adv, zero_variance = advantages.group_advantages(rewards.detach().to("cpu", torch.float64).numpy(),
+                                                     normalize_std, eps)
+    out = torch.from_numpy(adv).to(rewards.device)
+    return (out.to(rewards.dtype if rewards.is_floating_point() else torch.float32),
+            torch.from_numpy(zero_variance).to(rewards.device))
 
 
 def _aggregate(values: torch.Tensor, mask: torch.Tensor, agg: LossAgg, normalizer: float | None,

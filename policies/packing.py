@@ -1,8 +1,9 @@
 """Token-budget packing: samples -> micro-batches -> minibatches -> one packed row per micro-batch.
 
+Which samples share a micro-batch and which micro-batches a minibatch is policies/plan.py's (pure
+Python, no torch: the assembler plans, the learner packs); its names are re-exported here.
+
 Invariants:
-- Every sample index appears in exactly one micro-batch; a sample longer than the budget gets a
-  micro-batch of its own and a warning (it is never dropped or truncated).
 - A packed row holds whole samples back to back, with position ids restarting at 0 for each
   sample, so a packed forward gives each sample exactly the log-probs it gets alone, provided
   attention does not cross sample boundaries:
@@ -30,86 +31,18 @@ Invariants:
 """
 from __future__ import annotations
 
-import heapq
-import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 from config.schema import FLASH_ATTENTION_IMPLS, FLEX, VARLEN, expresses_shared_prefix  # noqa: F401 (re-exported)
+from policies.plan import OversizedSampleWarning, padding_fraction, plan_micro_batches, split_minibatches  # noqa: F401 (re-exported)
 
 
 def needs_dense_mask(attn_implementation: str) -> bool:
     """False for the implementations that keep samples apart themselves (no [T, T] mask)."""
     return attn_implementation not in FLASH_ATTENTION_IMPLS and attn_implementation not in (VARLEN, FLEX)
-
-
-class OversizedSampleWarning(UserWarning):
-    """A sample longer than the micro-batch token budget: it is trained alone."""
-
-
-def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Sample indices per micro-batch, each micro-batch's total length <= max_tokens.
-
-    First-fit-decreasing over the sample lengths (prompt + completion tokens). A sample longer
-    than `max_tokens` gets its own micro-batch and an OversizedSampleWarning. Indices within a
-    micro-batch are ascending; micro-batches come longest-first. Deterministic.
-    """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    bins: list[list[int]] = []
-    free: list[int] = []
-    oversized = []
-    for i in order:
-        n = int(lengths[i])
-        if n < 0:
-            raise ValueError(f"sample {i} has negative length {n}")
-        if n > max_tokens:
-            oversized.append(i)
-            bins.append([i])
-            free.append(0)
-            continue
-        for b, room in enumerate(free):
-            if n <= room:
-                bins[b].append(i)
-                free[b] -= n
-                break
-        else:
-            bins.append([i])
-            free.append(max_tokens - n)
-    if oversized:
-        warnings.warn(f"{len(oversized)} sample(s) longer than the micro-batch budget of {max_tokens} tokens "
-                      f"(longest {max(lengths[i] for i in oversized)}): each trained in a micro-batch of its own",
-                      OversizedSampleWarning, stacklevel=2)
-    return [sorted(b) for b in bins]
-
-
-def split_minibatches(micro_batches: Sequence[Sequence[int]], num_minibatches: int,
-                      lengths: Sequence[int] | None = None, tokens: Sequence[int] | None = None) -> list[list[int]]:
-    """Micro-batch indices per minibatch (one optimizer step each), balanced by tokens.
-
-    With `tokens` (per micro-batch: what its packed row holds, e.g. a shared prompt counted once) or
-    `lengths` (per sample, as given to plan_micro_batches) the minibatches are balanced by token
-    count, else by sample count (longest-processing-time greedy). When there are fewer
-    micro-batches than `num_minibatches`, every micro-batch becomes its own minibatch: fewer
-    optimizer steps, never an empty one. Indices within a minibatch are ascending.
-    """
-    if num_minibatches < 1:
-        raise ValueError(f"num_minibatches must be >= 1, got {num_minibatches}")
-    if tokens is not None and len(tokens) != len(micro_batches):
-        raise ValueError(f"tokens has {len(tokens)} entries for {len(micro_batches)} micro-batches")
-    weight = (list(tokens) if tokens is not None else
-              [sum(lengths[i] for i in mb) if lengths is not None else len(mb) for mb in micro_batches])
-    k = min(num_minibatches, len(micro_batches))
-    heap = [(0, m) for m in range(k)]
-    out: list[list[int]] = [[] for _ in range(k)]
-    for j in sorted(range(len(micro_batches)), key=lambda j: (-weight[j], j)):
-        load, m = heapq.heappop(heap)
-        out[m].append(j)
-        heapq.heappush(heap, (load + weight[j], m))
-    return [sorted(mb) for mb in out]
 
 
 @dataclass
@@ -316,10 +249,3 @@ def finish_row(cols: dict[str, list[torch.Tensor]], cu: list[int], completion_le
         out[k] = (torch.cat(xs) if xs else torch.zeros(0, dtype=dt))[None]
     return PackedBatch(**out, cu_seqlens=torch.tensor(cu, dtype=torch.int32), completion_lengths=completion_lengths,
                        max_seqlen=max_seqlen, num_padding=pad, shared=shared)
-
-
-def padding_fraction(lengths: Sequence[int], micro_batches: Sequence[Sequence[int]], max_tokens: int) -> float:
-    """Share of the padded slots when every micro-batch is padded to `max_tokens` (the budget)."""
-    used = sum(lengths[i] for mb in micro_batches for i in mb)
-    slots = sum(max(max_tokens, sum(lengths[i] for i in mb)) for mb in micro_batches)
-    return 1.0 - used / slots if slots else 0.0

@@ -22,45 +22,17 @@ Invariants:
   activations receive the gradient of every response of the part in one graph.
 - A part with one response is exactly `pack`'s layout (its branch is 0).
 - A part costs P - 1 + sum(1 + m_r) tokens (`part_tokens`): the prompt once, not n times.
-- `plan_group_micro_batches` packs groups as units under the token budget; a group too large for
-  one micro-batch splits into parts that each carry the prompt once. Every (group, sample) pair is
-  in exactly one micro-batch; within one, a group's samples are contiguous and ascending. The
-  learner rebuilds parts from the pairs (`group_runs`), so correctness never depends on the plan.
+- The plans (`plan_group_micro_batches`, `part_tokens`, `group_runs`) are policies/plan.py's, re-exported
+  here; the learner rebuilds parts from the pairs (`group_runs`), so correctness never depends on the plan.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Sequence
 
 import torch
 
-from policies.packing import ROW_FILL, OversizedSampleWarning, PackedBatch, finish_row, token_loss_mask
-
-
-def part_tokens(prompt_len: int, completion_lens: Sequence[int]) -> int:
-    """Tokens of one group part in a shared row (prompt once, its last token once per response)."""
-    if not completion_lens:
-        return 0
-    return int(prompt_len) - 1 + sum(1 + int(m) for m in completion_lens)
-
-
-def group_runs(pairs: Sequence[tuple[int, int]], field: str = "micro_batch") -> list[tuple[int, list[int]]]:
-    """(group, sample) pairs -> runs of consecutive pairs of one group: [(group, [samples])].
-
-    A group listed in two runs (its samples not contiguous) is a ValueError naming `field`.
-    """
-    runs: list[tuple[int, list[int]]] = []
-    seen: set[int] = set()
-    for g, s in pairs:
-        if runs and runs[-1][0] == g:
-            runs[-1][1].append(s)
-            continue
-        if g in seen:
-            raise ValueError(f"{field}: the samples of group {g} are not contiguous (learner.share_prompt packs "
-                             f"each group's consecutive samples under one prompt)")
-        seen.add(g)
-        runs.append((g, [s]))
-    return runs
+from policies.packing import ROW_FILL, PackedBatch, finish_row, token_loss_mask
+from policies.plan import group_runs, part_tokens, plan_group_micro_batches  # noqa: F401 (re-exported)
 
 
 def pack_shared(parts: Sequence[tuple], pad_to_multiple_of: int = 1, pad_token_id: int = 0) -> PackedBatch:
@@ -117,70 +89,3 @@ def pack_shared(parts: Sequence[tuple], pad_to_multiple_of: int = 1, pad_token_i
             length += nc + 1
         cu.append(cu[-1] + length)
     return finish_row(cols, cu, comp_lens, pad_to_multiple_of, pad_token_id, shared=shared)
-
-
-def _split_group(prompt_len: int, comp: Sequence[int], samples: list[int], max_tokens: int) -> list[list[int]]:
-    """One group's samples -> parts that each fit the budget with the prompt once (first-fit
-    decreasing; a sample too long even alone gets a part of its own)."""
-    if part_tokens(prompt_len, [comp[s] for s in samples]) <= max_tokens:
-        return [sorted(samples)]
-    parts: list[list[int]] = []
-    room: list[int] = []
-    for s in sorted(samples, key=lambda s: (-comp[s], s)):
-        cost = 1 + int(comp[s])
-        for j, free in enumerate(room):
-            if cost <= free:
-                parts[j].append(s)
-                room[j] -= cost
-                break
-        else:
-            parts.append([s])
-            room.append(max_tokens - (int(prompt_len) - 1) - cost)
-    return [sorted(p) for p in parts]
-
-
-def plan_group_micro_batches(prompt_lengths: Sequence[int], completion_lengths: Sequence[Sequence[int]],
-                             max_tokens: int) -> tuple[list[list[tuple[int, int]]], list[int]]:
-    """Groups -> micro-batches of (group, sample) pairs and each one's shared-row token count.
-
-    Groups are split into parts only when they exceed `max_tokens` (module doc), then the parts are
-    packed first-fit-decreasing; a part placed beside another part of its group merges with it (the
-    prompt is counted once). A part longer than the budget (a sample longer than it with its
-    prompt) gets a micro-batch of its own and an OversizedSampleWarning. Micro-batches come
-    longest-first; pairs within one are sorted. Deterministic.
-    """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    if len(prompt_lengths) != len(completion_lengths):
-        raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(completion_lengths)} groups")
-    items: list[tuple[int, list[int], int]] = []  # (group, samples, tokens)
-    oversized = 0
-    for g, (p, comp) in enumerate(zip(prompt_lengths, completion_lengths)):
-        if int(p) < 1:
-            raise ValueError(f"group {g} has prompt length {p}; at least one token must predict the completion")
-        if any(int(m) < 0 for m in comp):
-            raise ValueError(f"group {g} has a negative completion length")
-        for part in _split_group(int(p), comp, list(range(len(comp))), max_tokens) if len(comp) else []:
-            tokens = part_tokens(int(p), [comp[s] for s in part])
-            oversized += tokens > max_tokens
-            items.append((g, part, tokens))
-    bins: list[dict[int, list[int]]] = []
-    used: list[int] = []
-    for g, part, tokens in sorted(items, key=lambda it: (-it[2], it[0], it[1])):
-        extra = sum(1 + int(completion_lengths[g][s]) for s in part)  # beside a part of the same group
-        for b, groups in enumerate(bins):
-            cost = extra if g in groups else tokens
-            if used[b] + cost <= max_tokens:
-                groups.setdefault(g, []).extend(part)
-                used[b] += cost
-                break
-        else:
-            bins.append({g: list(part)})
-            used.append(tokens)
-    if oversized:
-        warnings.warn(f"{oversized} group part(s) longer than the micro-batch budget of {max_tokens} tokens "
-                      f"(a sample with its prompt): each trained in a micro-batch of its own",
-                      OversizedSampleWarning, stacklevel=2)
-    plans = [[(g, s) for g in sorted(groups) for s in sorted(groups[g])] for groups in bins]
-    order = sorted(range(len(plans)), key=lambda b: (-used[b], plans[b]))
-    return [plans[b] for b in order], [used[b] for b in order]

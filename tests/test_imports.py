@@ -126,3 +126,18 @@ def test_the_checker_sees_a_deferred_circle_and_an_upward_arrow(tmp_path):
              "policies.planted_b": _imports("policies.planted_b", b, known)}
     assert edges == {"tasks.planted_a": {"policies.planted_b"}, "policies.planted_b": {"tasks.planted_a", "launch.run"}}
     assert _circles(edges) == [["policies.planted_b", "tasks.planted_a"]]
+
+
+def test_the_light_actors_import_no_torch():
+    """The coordinator and the assembler move messages and metrics, never a tensor: importing them (what
+    their Ray worker does) imports no torch (~230 MB of RSS in each process), nor does `weights`, nor
+    the learner's shell (Ray imports an actor's module where a handle to it is unpickled: the
+    coordinator holds the learner ranks' handles)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import actors.coordinator.coordinator, actors.assembler, actors.learner.shell, weights, "
+            "weights.strategy, weights.store; print(sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout

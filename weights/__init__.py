@@ -16,7 +16,8 @@ coordinator method changes. (Outside code, a user picks it by its kind, so a new
 value of the config's ``coordinator.weight_sync``.)
 
 This module is the one name callers import (``import weights as weight_sync``); the code lives
-in one file per concern, each with its invariants in its docstring:
+in one file per concern, each with its invariants in its docstring, and each name here is imported
+from its module on first use (importing ``weights`` or ``weights.base`` imports no torch):
 
 - ``wire``: the wire format every transport shares (``BucketPlan`` header + one flat uint8 buffer
   per dtype; flatten / unflatten / validate; messages and their schema).
@@ -42,20 +43,33 @@ from __future__ import annotations
 
 from typing import Any
 
-from weights.base import ReceiverBase, SenderBase, drive_bucketed_sync, maybe_await
-from weights.broadcast import BroadcastReceiver, BroadcastSender, Rendezvous, group_layout, node_ip
-from weights.ipc import (
-    CudaIpcBucket, CudaIpcReceiver, CudaIpcSender, device_uuid, ipc_message_from_bytes, ipc_message_to_bytes,
-    load_ipc_bucket, merge_ipc_buckets, open_ipc_buffers, select_ipc_handles, visible_cuda_uuids,
-)
-from weights.protocol import Link, Transport, TransportKey, WeightsCall, verb
-from weights.store import ObjectStoreBucket, ObjectStoreReceiver, ObjectStoreSender
-from weights.wire import (
-    DTYPES, MB, WEIGHT_SYNC_SCHEMA, BucketPlan, Expected, ExportWeights, LoadWeights, NamedTensors, SyncAbort,
-    SyncMessage, SyncSummary, TensorMeta, WeightSyncError, bucket_to_payload, decode_message, dtype_name,
-    encode_message, expected_from_named, flatten_bucket, iter_buckets, normalise_expected, payload_and_plan,
-    payload_to_tensors, unflatten_bucket, validate_plan,
-)
+# name -> the module that defines it, imported on first use (PEP 562): `from weights.base import ...`
+# (the coordinator's path) loads weights.base and weights.wire only, never torch, CUDA IPC or NCCL.
+_HOMES = {
+    "weights.base": ("ReceiverBase", "SenderBase", "drive_bucketed_sync", "maybe_await"),
+    "weights.broadcast": ("BroadcastReceiver", "BroadcastSender", "Rendezvous", "group_layout", "node_ip"),
+    "weights.ipc": ("CudaIpcBucket", "CudaIpcReceiver", "CudaIpcSender", "device_uuid", "ipc_message_from_bytes",
+                    "ipc_message_to_bytes", "load_ipc_bucket", "merge_ipc_buckets", "open_ipc_buffers",
+                    "select_ipc_handles", "visible_cuda_uuids"),
+    "weights.protocol": ("Link", "Transport", "TransportKey", "WeightsCall", "verb"),
+    "weights.store": ("ObjectStoreBucket", "ObjectStoreReceiver", "ObjectStoreSender"),
+    "weights.wire": ("DTYPES", "MB", "WEIGHT_SYNC_SCHEMA", "BucketPlan", "Expected", "ExportWeights", "LoadWeights",
+                     "NamedTensors", "SyncAbort", "SyncMessage", "SyncSummary", "TensorMeta", "WeightSyncError",
+                     "bucket_to_payload", "decode_message", "dtype_name", "encode_message", "expected_from_named",
+                     "flatten_bucket", "iter_buckets", "normalise_expected", "payload_and_plan", "payload_to_tensors",
+                     "unflatten_bucket", "validate_plan"),
+}
+_HOME = {name: module for module, names in _HOMES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module 'weights' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
 
 __all__ = [
     "make_receiver", "Link", "Transport", "TransportKey", "WeightsCall", "verb",

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from weights.wire import (
     BucketPlan, Expected, ExportWeights, LoadWeights, NamedTensors, SyncAbort, SyncSummary, WeightSyncError,

@@ -16,9 +16,10 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from weights.base import ReceiverBase, SenderBase, maybe_await
 from weights.protocol import Transport, TransportKey, in_workers

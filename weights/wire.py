@@ -17,35 +17,50 @@ Invariants:
 - Every message carries ``schema``; a message of another schema is refused, never guessed at.
 - Pure: no Ray, no CUDA, no torch.distributed here (the transports live in weights.store,
   weights.ipc and weights.broadcast; weights.base holds the counting both ends share).
+- Importing it imports no torch (the coordinator drives syncs with the messages alone and never
+  holds a tensor): the functions that touch tensors import torch when called, and ``DTYPES`` is
+  built on first use.
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence, Union
 
 import msgspec
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 WEIGHT_SYNC_SCHEMA = 1
 MB = 1 << 20
 
 # The dtypes that may travel; anything else is refused by name instead of being misread.
-DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8",
-        "uint8", "bool", "float8_e4m3fn", "float8_e5m2",
-    )
-    if hasattr(torch, name)
-}
+DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8",
+               "uint8", "bool", "float8_e4m3fn", "float8_e5m2")
 
-NamedTensors = list[tuple[str, torch.Tensor]]
+
+@functools.cache
+def torch_dtypes() -> dict[str, torch.dtype]:
+    """DTYPES: name -> torch dtype, of the DTYPE_NAMES this torch has (torch imported here)."""
+    import torch
+
+    return {name: getattr(torch, name) for name in DTYPE_NAMES if hasattr(torch, name)}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":  # `from weights.wire import DTYPES` imports torch then, not this module
+        return torch_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+NamedTensors = list[tuple[str, "torch.Tensor"]]
 ExportWeights = Callable[[int], Iterable[NamedTensors]]  # learner.export_weights(bucket_mb)
-LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]], int], Any]  # engine.load_weights
+LoadWeights = Callable[[Iterable[tuple[str, "torch.Tensor"]], int], Any]  # engine.load_weights
 # name -> (shape, dtype): what the receiver's model holds; optional
-Expected = Mapping[str, tuple[Sequence[int], Union[torch.dtype, str]]]
+Expected = Mapping[str, tuple[Sequence[int], Union["torch.dtype", str]]]
 
 
 class WeightSyncError(RuntimeError):
@@ -54,8 +69,8 @@ class WeightSyncError(RuntimeError):
 
 def dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        raise WeightSyncError(f"dtype {dtype} cannot travel in a weight sync (known: {sorted(DTYPES)})")
+    if name not in torch_dtypes():
+        raise WeightSyncError(f"dtype {dtype} cannot travel in a weight sync (known: {sorted(torch_dtypes())})")
     return name
 
 
@@ -155,6 +170,8 @@ def flatten_bucket(named: NamedTensors, version: int, index: int,
     The buffers are fresh allocations on `device` (default: each dtype's first tensor's device),
     so they stay valid after the learner frees its gathered parameters.
     """
+    import torch
+
     if not named:
         raise WeightSyncError(f"bucket {index} of version {version} is empty")
     metas: list[TensorMeta] = []
@@ -173,7 +190,7 @@ def flatten_bucket(named: NamedTensors, version: int, index: int,
     for dname, tensors in groups.items():
         target = torch.device(device) if device is not None else tensors[0].device
         # Copy into one preallocated buffer: no per-tensor intermediates, so the peak is one bucket.
-        flat = torch.empty(numel[dname], dtype=DTYPES[dname], device=target)
+        flat = torch.empty(numel[dname], dtype=torch_dtypes()[dname], device=target)
         offset = 0
         for tensor in tensors:
             n = tensor.numel()
@@ -206,8 +223,9 @@ def validate_plan(plan: BucketPlan, expected: Mapping[str, tuple[tuple[int, ...]
     """
     where = f"weight sync v{plan.version} bucket {plan.index}"
     used: dict[str, int] = {}
+    dtypes = torch_dtypes()
     for meta in plan.tensors:
-        if meta.dtype not in DTYPES:
+        if meta.dtype not in dtypes:
             raise WeightSyncError(f"{where}: tensor {meta.name!r} has unknown dtype {meta.dtype!r}")
         if any(s < 0 for s in meta.shape):
             raise WeightSyncError(f"{where}: tensor {meta.name!r} has negative shape {meta.shape}")
@@ -219,7 +237,7 @@ def validate_plan(plan: BucketPlan, expected: Mapping[str, tuple[tuple[int, ...]
                 raise WeightSyncError(
                     f"{where}: tensor {meta.name!r} arrives as shape {list(meta.shape)} {meta.dtype}, "
                     f"the model holds shape {list(want_shape)} {want_dtype}")
-        itemsize = DTYPES[meta.dtype].itemsize
+        itemsize = dtypes[meta.dtype].itemsize
         end = (meta.offset + meta.numel) * itemsize
         if meta.offset < 0 or end > plan.buffer_nbytes.get(meta.dtype, -1):
             raise WeightSyncError(
@@ -233,6 +251,8 @@ def validate_plan(plan: BucketPlan, expected: Mapping[str, tuple[tuple[int, ...]
 
 def unflatten_bucket(plan: BucketPlan, buffers: Mapping[str, torch.Tensor]) -> NamedTensors:
     """Views into `buffers` (uint8, one per dtype), in the plan's order. No copies."""
+    import torch
+
     where = f"weight sync v{plan.version} bucket {plan.index}"
     if set(buffers) != set(plan.buffer_nbytes):
         raise WeightSyncError(f"{where}: buffers for {sorted(buffers)}, plan lists {sorted(plan.buffer_nbytes)}")
@@ -243,7 +263,8 @@ def unflatten_bucket(plan: BucketPlan, buffers: Mapping[str, torch.Tensor]) -> N
                 f"{where}: {dname} buffer is {buf.dtype} of {tuple(buf.shape)}, "
                 f"the plan wants {plan.buffer_nbytes[dname]} uint8 bytes")
         # numpy hands back empty arrays with stride 0, which view(dtype) refuses
-        typed[dname] = buf.view(DTYPES[dname]) if buf.numel() else buf.new_empty(0, dtype=DTYPES[dname])
+        dtype = torch_dtypes()[dname]
+        typed[dname] = buf.view(dtype) if buf.numel() else buf.new_empty(0, dtype=dtype)
     return [(m.name, typed[m.dtype][m.offset:m.offset + m.numel].view(m.shape)) for m in plan.tensors]
 
 
@@ -278,6 +299,8 @@ def payload_to_tensors(payload: Mapping[str, Any], expected: Mapping[str, tuple[
                        device: torch.device | str | None = None) -> tuple[BucketPlan, NamedTensors]:
     """Inverse of bucket_to_payload: checks the plan, then views (or one copy per dtype to `device`).
     A buffer may also be raw bytes: the plain form an engine's RPC can carry (vLLM's msgpack)."""
+    import torch
+
     plan = decode_message(payload["plan"])
     if not isinstance(plan, BucketPlan):
         raise WeightSyncError(f"object-store payload holds a {type(plan).__name__}, not a bucket")

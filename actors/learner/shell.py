@@ -12,16 +12,16 @@ Invariants:
   through `take_batch` / `train_taken` + `train_bytes` / `finish_taken` driven by the group.
 - Weight sync is one verb, `send_weights(call)`, forwarded to this rank's end of the transport
   (weights.endpoint.SendEnd): which rank sends what, and how, is the transport's (weights/).
-- Importing this module never imports or starts Ray; `LearnerActor` is built on first use.
+- Importing this module never imports or starts Ray, nor torch or the Learner (built in the
+  constructor): a process that only holds a handle to a rank (the coordinator, through its
+  LearnerGroup) imports this module when Ray rebuilds the handle, and stays light.
 """
 from __future__ import annotations
 
 import os
 
 import structlog
-import torch
 
-from actors.learner.learner import Learner
 from config import RunContext
 from observe.logs import setup_actor_logging
 from queues.messages import TrainBatch
@@ -40,6 +40,10 @@ class LearnerShell:
 
     def __init__(self, learner_cfg, ctx: RunContext | None = None, *, model_cfg, model_path: str, total_steps: int,
                  micro_batch_tokens: int, temperature: float = 1.0, rank: int = 0, world_size: int = 1):
+        import torch
+
+        from actors.learner.learner import Learner
+
         torch.set_num_threads(max(1, int(learner_cfg.num_cpus)))
         self.ctx = ctx or RunContext()
         setup_actor_logging("learner" if world_size == 1 else f"learner-{rank}", self.ctx)
@@ -79,6 +83,9 @@ class LearnerShell:
     def join(self, host: str, port: int, local_host: str | None = None) -> None:
         """Every rank of a world > 1, concurrently: joins the process group (gloo bound to `local_host`),
         then builds the Learner (deepspeed.initialize is collective)."""
+        import torch
+
+        from actors.learner.learner import Learner
         from actors.learner.world import init_world
 
         device = self._args[0].device
