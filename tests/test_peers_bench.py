@@ -24,16 +24,16 @@ REPO = Path(__file__).resolve().parent.parent
 def test_table_prints_every_side_the_ratios_and_the_differences():
     ours_row = {"name": "ours", "samples_per_s_e2e": 60.0, "samples_per_s_step": 100.0, "first_step_s": 40.0,
                 "s_per_step_median": 1.28, "wall_s": 128.0, "ex_greedy": 0.5, "ex_greedy_strict": 0.48,
-                "sampled_reward": 0.41, "peak_rss_gb": 2.5, "peak_processes": 27}
+                "sampled_reward": 0.41, "peak_rss_gb": 2.5, "peak_pss_gb": 1.5, "peak_processes": 27}
     peer = {"name": "TRL", "samples_per_s_e2e": 40.0, "samples_per_s_step": 80.0, "first_step_s": 20.0,
             "s_per_step_median": 1.6, "wall_s": 192.0, "ex_greedy": None, "sampled_reward": 0.4, "peak_rss_gb": 1.0,
-            "peak_processes": 2}
+            "peak_pss_gb": 1.0, "peak_processes": 2}
     text = table.report([ours_row], peer, ["one difference", "another"])
     lines = text.splitlines()
     assert lines[0].startswith("| | samples/s end to end |") and lines[1].startswith("| --- |")
-    assert lines[2].startswith("| ours | 60.0 | 100.0 | 40 | 1.28 | 128 | 0.500 | 0.480 | 0.410 | 2.50 (27 proc.) |")
+    assert lines[2] == "| ours | 60.0 | 100.0 | 40 | 1.28 | 128 | 0.500 | 0.480 | 0.410 | 2.50 (27 proc.) | 1.50 |"
     assert lines[3].startswith("| TRL | 40.0 |") and "| - |" in lines[3]  # a missing number is "-", never 0
-    assert "samples/s end to end 1.50x, per step 1.25x, peak memory 2.50x" in text
+    assert "samples/s end to end 1.50x, per step 1.25x, peak memory 2.50x (RSS), 1.50x (PSS)" in text
     assert text.endswith("- one difference\n- another")
 
 
@@ -81,6 +81,7 @@ def test_run_tree_sums_the_whole_tree_and_sees_every_process(tmp_path):
     res = run_tree([sys.executable, "-c", parent], log_path=tmp_path / "log", interval_s=0.1, timeout_s=120)
     assert res.rc == 0 and not res.timed_out
     assert res.peak_rss_bytes > 80 * 1024 * 1024 and res.peak_processes == 2
+    assert 80 * 1024 * 1024 < res.peak_pss_bytes <= res.peak_rss_bytes  # shared pages split, private ones whole
     assert len({pid for _, pid, _ in res.spawned}) == 2
     assert len(res.peak_breakdown) == 2 and res.peak_breakdown[0][1] > 80 * 1024 * 1024  # the grandchild, largest first
 

@@ -16,7 +16,8 @@ What runs, in order (each command a child process whose whole process tree's RSS
    strict) and 4 samples at T=1 (the mean training reward of those samples, our reward code).
 Writes $OUT/peers.json (every number, the start-up and per-step profiles of our run) and $OUT/peers.md
 (the table, the differences, the profile); prints the table. Env: STEPS, OUT, SIDES ("ours trl"), SMOKE,
-PEERS_OFFLINE (build the peer venv from local sources only), PEERS_TRL_THREADS (TRL's OMP_NUM_THREADS, 1).
+PEERS_OFFLINE (build the peer venv from local sources only), PEERS_TRL_THREADS (TRL's OMP_NUM_THREADS, 1),
+PEERS_NO_EVAL_ROW=0 (leave out our coordinator.eval_every=0 row).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def log(msg: str) -> None:
 
 def our_variants() -> list[tuple[str, list[str]]]:
     rows = [("arctic-rl tiny (evals every 10 steps, as the recipe)", [])]
-    if not SMOKE:
+    if not SMOKE and os.environ.get("PEERS_NO_EVAL_ROW", "1") not in ("", "0"):
         rows.append(("arctic-rl tiny, coordinator.eval_every=0", ["coordinator.eval_every=0"]))
     return rows
 
@@ -67,7 +68,8 @@ def settings(steps: int) -> dict:
 
 
 def tree_fields(t: TreeRun, samples: int) -> dict:
-    return {"wall_s": t.wall_s, "rc": t.rc, "peak_rss_gb": t.peak_rss_bytes / 1e9, "peak_processes": t.peak_processes,
+    return {"wall_s": t.wall_s, "rc": t.rc, "peak_rss_gb": t.peak_rss_bytes / 1e9,
+            "peak_pss_gb": t.peak_pss_bytes / 1e9 or None, "peak_processes": t.peak_processes,
             "max_processes": t.max_processes, "samples_per_s_e2e": samples / t.wall_s if t.wall_s else None,
             "peak_at_s": t.peak_at_s, "peak_breakdown": [(n, round(b / 1e6)) for n, b in t.peak_breakdown]}
 

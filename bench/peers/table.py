@@ -16,6 +16,7 @@ COLUMNS = [
     ("ex_greedy_strict", "greedy EX, strict", "{:.3f}"),
     ("sampled_reward", "held-out sampled reward", "{:.3f}"),
     ("peak_rss_gb", "peak RSS, process tree (GB)", "{:.2f}"),
+    ("peak_pss_gb", "peak PSS, process tree (GB)", "{:.2f}"),
 ]
 
 
@@ -42,7 +43,7 @@ def ratios(ours: dict, peer: dict) -> str:
         a, b = ours.get(key), peer.get(key)
         return f"{a / b:.2f}x" if a is not None and b else "-"
     return (f"{ours['name']} against {peer['name']}: samples/s end to end {r('samples_per_s_e2e')}, "
-            f"per step {r('samples_per_s_step')}, peak memory {r('peak_rss_gb')}")
+            f"per step {r('samples_per_s_step')}, peak memory {r('peak_rss_gb')} (RSS), {r('peak_pss_gb')} (PSS)")
 
 
 def report(rows: list[dict], peer: dict | None, differences: list[str]) -> str:

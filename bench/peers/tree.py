@@ -8,6 +8,10 @@ Invariants:
   between processes (torch's libraries) once per process, so the sum over-counts shared memory; the
   same rule applies to both sides of the bench.
 - At each new peak the per-process RSS is kept (`peak_breakdown`): which processes the peak is made of.
+- Beside it, the tree's proportional set size (PSS, /proc/<pid>/smaps_rollup: each shared page split
+  among the processes that map it) is summed at every sample, and its peak kept (`peak_pss_bytes`):
+  what the tree holds of the machine's memory, shared libraries counted once. (0 where the kernel
+  has no smaps_rollup.)
 - The first time each process is seen is recorded (seconds since the start, its name): a timeline of
   what the command started, used by the start-up profile.
 - The child gets its own session; `run_tree` waits at most `timeout_s`, then kills the whole tree
@@ -32,6 +36,7 @@ class TreeRun:
     start: float  # time.time() at spawn
     wall_s: float
     peak_rss_bytes: int = 0
+    peak_pss_bytes: int = 0
     peak_processes: int = 0
     peak_at_s: float = 0.0
     max_processes: int = 0
@@ -57,6 +62,21 @@ def _rss(procs: list[psutil.Process]) -> dict[int, int]:
         except psutil.Error:
             pass
     return out
+
+
+def _pss(pids) -> int:
+    """Sum of the PSS of `pids` (bytes; a process gone meanwhile counts 0)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except (OSError, ValueError):
+            pass
+    return total
 
 
 def _name(p: psutil.Process) -> str:
@@ -112,6 +132,7 @@ def run_tree(cmd: list[str], *, cwd: str | Path | None = None, env: dict | None 
                     res.spawned.append((round(now, 2), p.pid, _name(p)))
             per = _rss(procs)
             rss, alive = sum(per.values()), len(per)
+            res.peak_pss_bytes = max(res.peak_pss_bytes, _pss(per))
             res.samples += 1
             res.max_processes = max(res.max_processes, alive)
             if rss > res.peak_rss_bytes:
