@@ -265,6 +265,7 @@ def init_local_ray(log=None, **kwargs) -> None:
     import ray
 
     for attempt in range(1, LOCAL_RAY_ATTEMPTS + 1):
+        before = child_pids()
         try:
             ray.init(address="local", **kwargs)
             return
@@ -275,6 +276,7 @@ def init_local_ray(log=None, **kwargs) -> None:
                 log.warning("local ray did not start in its 30 s (an overloaded machine?); starting it again",
                             attempt=attempt, of=LOCAL_RAY_ATTEMPTS)
             ray.shutdown()
+            end_new_children(before)
 
 
 @contextlib.contextmanager
@@ -291,6 +293,31 @@ def environ(values: dict[str, str]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def child_pids() -> set[int]:
+    """Every live descendant of this process."""
+    import psutil
+
+    return {c.pid for c in psutil.Process().children(recursive=True)}
+
+
+def end_new_children(before: set[int]) -> int:
+    """Kills the descendants started since `before` was taken, but a redis-server (the embedded one's
+    supervisor may have restarted it meanwhile). A ray.init that timed out leaves the processes it
+    started (GCS, dashboard, monitors) running, and ray.shutdown() does not know them: without this
+    they would live as long as the launcher, beside the cluster of the next attempt."""
+    import psutil
+
+    ended = 0
+    for c in psutil.Process().children(recursive=True):
+        try:
+            if c.pid not in before and c.name() != "redis-server":
+                c.kill()
+                ended += 1
+        except psutil.Error:
+            pass
+    return ended
 
 
 def start_ray(cfg: RunConfig, run_dir: Path, log) -> None:

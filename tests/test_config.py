@@ -134,11 +134,13 @@ def test_a_local_ray_start_that_timed_out_is_tried_again_fake_ray_init(monkeypat
 
     from launch import run
 
-    calls, shutdowns = [], []
+    calls, shutdowns, left = [], [], []
 
     def init(**kw):
         calls.append(kw["address"])
         if len(calls) < 3:
+            # what a timed-out ray.init leaves running (its GCS, dashboard, monitors): ray.shutdown() does not know it
+            left.append(subprocess.Popen(["sleep", "120"]))
             raise Exception("The current node timed out during startup. This could happen because ...")
 
     monkeypatch.setattr(ray, "init", init)
@@ -148,6 +150,7 @@ def test_a_local_ray_start_that_timed_out_is_tried_again_fake_ray_init(monkeypat
     log = __import__("structlog").get_logger()
     run.start_ray(cfg, None, log)
     assert calls == ["local"] * 3 and len(shutdowns) == 2
+    assert [p.wait(timeout=30) for p in left] == [-9, -9]  # the failed attempts' processes are gone
     calls.clear()
     monkeypatch.setattr(run, "LOCAL_RAY_ATTEMPTS", 2)
     with pytest.raises(Exception, match="timed out during startup"):
@@ -163,6 +166,34 @@ def test_a_local_ray_start_that_timed_out_is_tried_again_fake_ray_init(monkeypat
     with pytest.raises(RuntimeError, match="port taken"):
         run.start_ray(cfg, None, log)
     assert calls == [1]  # not a timeout: no retry
+
+
+def test_a_local_cluster_inherits_the_run_env_and_tiny_has_no_dashboard_fake_ray_init(monkeypatch):
+    """A local cluster gets run_env() through the environment ray.init starts it in (no runtime_env: that
+    sends every worker through Ray's runtime-env agent), restored after; cluster.dashboard picks Ray's
+    dashboard (tiny: off). A joined cluster gets run_env() as the job's runtime_env. (ray.init stands in.)"""
+    import os
+
+    import ray
+
+    from launch import run
+
+    seen = []
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.append((kw, dict(os.environ))))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("ARL_PROBE", "x")
+    log = __import__("structlog").get_logger()
+    for overrides, dashboard in (([], False), (["cluster.dashboard=true"], True)):
+        run.start_ray(apply_overrides(get_recipe("tiny"), overrides), None, log)
+        kw, env = seen.pop()
+        assert kw["address"] == "local" and kw["include_dashboard"] is dashboard and "runtime_env" not in kw
+        assert env["OMP_NUM_THREADS"] == "1" and env["ARL_PROBE"] == "x" and env["PYTHONPATH"].startswith(str(run.Path(run.__file__).resolve().parent.parent))
+        assert "OMP_NUM_THREADS" not in os.environ  # restored
+    assert get_recipe("bird_32b").cluster.dashboard is True
+    run.start_ray(apply_overrides(get_recipe("tiny"), ["cluster.ray_address=127.0.0.1:6379"]), None, log)
+    kw, _ = seen.pop()
+    assert kw["address"] == "127.0.0.1:6379" and kw["runtime_env"] == {"env_vars": run.run_env()}
 
 
 def test_validation_resolves_every_auto_and_the_saved_config_loads_back_the_same():
