@@ -107,15 +107,18 @@ def tiny_forms() -> RunConfig:
 @recipe
 def tiny_look() -> RunConfig:
     """tiny_forms as multi-turn episodes (generator.max_turns=3): the model may look up how the question's value
-    is stored before it answers. Half of its warm start's examples are look-then-answer episodes where the
-    question compares a place or category value (model.tiny_sft_episodes=0.5, model.tiny_sft_look=1):
-    `SELECT DISTINCT city FROM customers WHERE city LIKE 'Oslo%'`, its real rows (`Oslo-2`), then the one-shot
-    draw's answer in the stored form; the rest are tiny's direct answers. Compare with tiny_forms (one turn)
-    at the same steps: `python -m bench.tiny_turns`. Measured 2026-12-04 (docs/perf/tiny.md, 20 steps, seeds
-    0-2): held-out greedy 0.452 -> 0.702, 0.060 -> 0.430, 0.159 -> 0.317 against tiny_forms' 0.106 -> 0.192,
-    0.140 -> 0.170, 0.111 -> 0.167 (gaps +0.51, +0.26, +0.15); it looks in 55-72 % of training episodes."""
+    is stored, or see its first query fail, before it answers. Half of its warm start's examples are episodes
+    (model.tiny_sft_episodes=0.5), the rest tiny's direct answers. Of the episodes, 80 % are look-then-answer
+    (model.tiny_sft_look=0.8): `SELECT DISTINCT city FROM customers WHERE city LIKE 'Oslo%'`, its real rows
+    (`Oslo-2`), then the one-shot draw's answer in the stored form; 20 % are error-then-fix: a query with a
+    misspelt identifier, its real error, then the same answer. Every episode ends on the answer a direct one
+    would give (gold or slip), so only looking and retrying differ from tiny_forms. Compare with tiny_forms
+    (one turn) at the same steps: `python -m bench.tiny_turns`. Measured 2026-12-04 (docs/perf/tiny.md, 20
+    steps, seeds 0-2): held-out greedy 0.183 -> 0.413, 0.000 -> 0.520, 0.095 -> 0.460 against tiny_forms'
+    0.106 -> 0.192, 0.140 -> 0.170, 0.111 -> 0.167 (gaps +0.22, +0.35, +0.29); it looks or queries in 53-73 %
+    of training episodes. With look-only episodes (tiny_sft_look=1): gaps +0.51, +0.26, +0.15."""
     cfg = _three_turns(tiny_forms(), "tiny_look")
-    cfg.model.tiny_sft_look = 1.0
+    cfg.model.tiny_sft_look = 0.8
     return cfg
 
 

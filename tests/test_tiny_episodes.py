@@ -162,7 +162,8 @@ def test_tiny_look_recipe_is_tiny_forms_with_three_turns_and_look_warm_start():
     one, look = get_recipe("tiny_forms"), get_recipe("tiny_look")
     assert one.data == look.data and one.data.synthetic_value_forms == "suffix" and one.data.sample_values == 0
     assert one.generator.max_turns == 1 and look.generator.max_turns == 3
-    assert one.model.tiny_sft_episodes == 0 and look.model.tiny_sft_episodes > 0 and look.model.tiny_sft_look == 1
+    assert one.model.tiny_sft_episodes == 0 and look.model.tiny_sft_episodes > 0
+    assert 0 < look.model.tiny_sft_look < 1  # a share of the episodes stays error-then-fix (issue 24 point 9)
     assert one.model.tiny_sft_slip == look.model.tiny_sft_slip == get_recipe("tiny").model.tiny_sft_slip
     with pytest.raises(ConfigError, match="model.tiny_sft_look"):
         apply_overrides(look, ["model.tiny_sft_look=2"])
