@@ -205,8 +205,8 @@ class Assembler:
         self.memo = self.conn.hash("assembled")
         await self.scored.ensure_group()
         await self.batches.ensure_group()
-        for raw in await self.memo.values():
-            self.resolved.update(json.loads(raw)["outcomes"])
+        for raw in await self.memo.values():  # a step's memo carries its outcomes; an eval's (collect_eval)
+            self.resolved.update(json.loads(raw).get("outcomes", {}))  # only its scalars
         # The one consumer loop: this consumer's pending groups first (what it held when it died), then
         # new ones. It never acks: collect acks a step's groups once their TrainBatch is published.
         self.worker = Worker(self.scored, self.consumer, self._take, concurrency=64, read_count=64,

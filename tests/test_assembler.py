@@ -109,3 +109,27 @@ async def test_forget_before_prunes_train_and_eval_state(redis_url):
     assert memo == {"3", "eval:3:g0"}
     assert "last step 3" in repr(asm) and "2 resolved" in repr(asm)  # the dashboard's Repr column
     await asm.stop()
+
+
+async def test_a_restarted_assembler_starts_over_a_memo_that_holds_an_eval(redis_url):
+    """The memo holds steps' results and evals' (keyed by their first task id, scalars only): a restarted
+    instance restores the steps' outcomes and answers a retried eval from the memo (the hour's soak found
+    a restart after an evaluation failing with KeyError 'outcomes' and ending the run)."""
+    redis = await connect(redis_url)
+    scored_stream = Stream(redis, "m", "scored", group="assembler")
+    await scored_stream.ensure_group()
+    ctx = RunContext(run_id="m", redis_url=redis_url)
+    first = Assembler(AssemblerConfig(), ctx)
+    await first.start()
+    enc = codec(ScoredGroup).encode
+    for tid in ("0:0:0", "eval:0:g0"):
+        await scored_stream.publish(enc(scored(tid, [1.0, 0.0])))
+    step = await first.collect(0, ["0:0:0"], version=0, timeout_s=5.0)
+    ev = await first.collect_eval(["eval:0:g0"], timeout_s=5.0)
+    await first.stop()
+    again = Assembler(AssemblerConfig(), ctx)  # as Ray restarts it: a fresh instance, the same run
+    await again.start()
+    assert again.resolved == {"0:0:0": TRAINED}
+    assert await again.collect(0, ["0:0:0"], version=0, timeout_s=1.0) == step
+    assert await again.collect_eval(["eval:0:g0"], timeout_s=1.0) == ev
+    await again.stop()

@@ -82,8 +82,13 @@ class _StandIn(Probe):
         self.device_ids = device_ids
         self.built_at, self.slept_at = time.time(), None
 
-    def listen(self):  # LearnerGroup's rendezvous calls
-        return "127.0.0.1", 0
+    def node_ip(self):  # LearnerGroup's rendezvous calls: where this rank is, where rank 0 listens, join
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def listen(self, host=None):
+        return host or "127.0.0.1", 0
 
     def sleep(self, *args):  # the learner's, before engines start on its GPU (launch.place.create_actors)
         self.slept_at = time.time()
@@ -94,7 +99,7 @@ class _StandIn(Probe):
     def times(self):
         return self.built_at, self.slept_at
 
-    def join(self, host, port):
+    def join(self, host, port, local=None):
         return None
 
     def got_device_ids(self):
