@@ -257,7 +257,7 @@ def simulated_cluster(placement: Placement, temp_root: str | None = None):
     import ray
     from ray.cluster_utils import Cluster
 
-    from launch.run import ray_on_loopback, run_env
+    from launch.run import environ, ray_on_loopback, run_env
 
     cpus = max(sum(b.get("CPU", 0.0) for b in row) for row in placement.bundles) if placement.gpu else \
         sum(a.num_cpus for a in placement.actors)
@@ -265,8 +265,8 @@ def simulated_cluster(placement: Placement, temp_root: str | None = None):
     gpus = placement.gpus_per_node
     temp_dir = tempfile.mkdtemp(prefix="arl-preflight-", dir=temp_root or "/tmp")
     cluster = None
-    saved = {k: os.environ.get(k) for k in NO_PRESTART}
-    os.environ.update(NO_PRESTART)  # the raylets inherit it: no idle workers per logical CPU
+    env = environ(NO_PRESTART)  # the raylets inherit it: no idle workers per logical CPU
+    env.__enter__()
     try:
         with ray_on_loopback(True):  # the raylets and the driver on 127.0.0.1 (else it dials the host's address)
             cluster = Cluster(initialize_head=True, head_node_args=dict(
@@ -277,11 +277,7 @@ def simulated_cluster(placement: Placement, temp_root: str | None = None):
             ray.init(address=cluster.address, runtime_env={"env_vars": run_env()}, log_to_driver=False)
         yield cluster
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        env.__exit__(None, None, None)
         if ray.is_initialized():
             ray.shutdown()
         if cluster is not None:
