@@ -15,7 +15,9 @@ Invariants:
 - Every call to an actor has a bound (actors/coordinator/bounds.py): one past it (a frozen actor) raises
   ActorCallTimeout naming the actor and the call, and the run ends as on a death (relaunch or one line).
 - Every task the coordinator publishes gets exactly one outcome in the ledger (trained or a
-  drop reason), and the per-step counts are in the step's metrics.
+  drop reason), and the per-step counts are in the step's metrics. The ledger is the one record that
+  grows with the run; everything else the coordinator holds covers the last few steps (a step's
+  metrics go to metrics.jsonl, never kept; tests/test_memory_bounds.py).
 - The coordinator never touches tensors: weights move learner -> generators through
   weights, driven bucket by bucket from here.
 - A checkpoint holds the learner's state and this cursor (step, version, epoch, position); a
@@ -72,7 +74,6 @@ class Coordinator(BoundedCalls, WeightSyncHandshake, Checkpointing):
         self.version = 0
         self.cursor = DataCursor(len(train_items), cfg.data.shuffle_seed)
         self.ledger: dict[str, str] = {}  # task_id -> outcome, for every task ever published
-        self.history: list[dict[str, float]] = []
         self._generated: dict[str, float] = {}
         self._stop = False
         self._broadcast_rdv = None  # nccl: the rendezvous of the group every generator joined
@@ -336,7 +337,6 @@ class Coordinator(BoundedCalls, WeightSyncHandshake, Checkpointing):
             if cfg.mode == "colocated" or not pending:
                 if step + 1 < cfg.steps:
                     await publish_step(step + 1)
-            self.history.append(m)
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
                 m.update(await self._eval())
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
