@@ -80,6 +80,7 @@ GRID = [
     Trajectory("recipe_lr3e-4_slip0.6", 3e-4, 0.6),
     Trajectory("lr1e-3_slip0.6", 1e-3, 0.6),
     Trajectory("lr1e-3_slip0.3", 1e-3, 0.3),
+    Trajectory("lr1e-3_slip0.5", 1e-3, 0.5),
     Trajectory("lr1e-3_slip0.6_b64", 1e-3, 0.6, batch=64, checkpoints=(200, 400)),
     Trajectory("lr3e-4_slip0.3", 3e-4, 0.3),
     Trajectory("lr2e-3_cos_slip0.45", 2e-3, 0.45, schedule="cosine", checkpoints=(400, 800)),

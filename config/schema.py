@@ -49,6 +49,10 @@ class DataConfig(_Section):
     # Oslo-2) or "case" (Oslo / OSLO / oslo); "" off
     synthetic_value_forms: Literal["", "suffix", "case"] = ""
     synthetic_domains: int = 4  # databases cycle through the first this many of tasks.synthetic.DOMAINS (1-4)
+    # n > 0: each database names its places (n) and categories (8) with made-up words of its own, so no two
+    # databases share a value and no held-out value is ever trained on (tasks/synthetic_pool.py); 0: the
+    # domains' own word lists
+    synthetic_value_pool: int = 0
     max_prompt_tokens: int = 4096  # prompts over this budget are dropped at load time (counted)
     sample_values: int = 3  # sample values per column shown in the schema
     eval_size: int = 64  # held-out prompts per periodic eval (0: the whole eval split)

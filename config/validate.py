@@ -133,6 +133,10 @@ def check(cfg: RunConfig) -> None:
     need(not cfg.data.synthetic_value_forms or cfg.data.sample_values == 0, "data.sample_values",
          "must be 0 with data.synthetic_value_forms (sample values would show the stored form of the values)")
     need(1 <= cfg.data.synthetic_domains <= 4, "data.synthetic_domains", "must be in 1..4")
+    need(cfg.data.synthetic_value_pool == 0 or cfg.data.synthetic_value_pool >= 2, "data.synthetic_value_pool",
+         "must be 0 (off) or at least 2 places per database")
+    need(not (cfg.data.synthetic_value_pool and cfg.data.synthetic_value_forms), "data.synthetic_value_pool",
+         "cannot be combined with data.synthetic_value_forms")
     need(cfg.generator.max_observation_tokens >= 8, "generator.max_observation_tokens", "must be >= 8")
     need(cfg.generator.tool_workers >= 1, "generator.tool_workers", "must be >= 1")
     need(cfg.generator.tool_timeout_s >= 0, "generator.tool_timeout_s", "must be >= 0 (0: the scorer's timeout_s)")

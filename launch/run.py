@@ -80,7 +80,8 @@ def prepare_model_and_data(cfg: RunConfig, run_dir: Path, log) -> tuple[str, str
             write_dataset(bird_dir, cfg.data.synthetic_databases, cfg.data.synthetic_questions, cfg.data.synthetic_seed,
                           dev_fraction=cfg.data.synthetic_dev_fraction, templates=cfg.data.synthetic_templates or None,
                           held_out_databases=cfg.data.synthetic_held_out_databases,
-                          value_forms=cfg.data.synthetic_value_forms, domains=cfg.data.synthetic_domains)
+                          value_forms=cfg.data.synthetic_value_forms, domains=cfg.data.synthetic_domains,
+                          value_pool=cfg.data.synthetic_value_pool)
     model_path = cfg.model.path
     if cfg.model.source == "tiny":
         from tasks.synthetic import texts_for_tokenizer

@@ -14,6 +14,8 @@ Invariants:
 - `value_forms` (off by default) gives each database a stored form of its place and category values
   (tasks/synthetic_forms.py); off, nothing of it runs and the bytes are those of before. `domains` (default
   all) is how many DOMAINS the databases cycle through; all of them is the behaviour of before.
+- `value_pool` (off by default) names each database's places and categories with made-up words of its own
+  (tasks/synthetic_pool.py), so no two databases share a value; off, the bytes are those of before.
 
 Every domain has the same shape (an entity table, an item table, and a fact table linking them
 with a quantity and a date), so one template set serves all of them with domain words swapped in.
@@ -301,7 +303,8 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 def write_dataset(out_dir, num_databases: int = 4, num_questions: int = 400, seed: int = 0,
                   dev_fraction: float = 0.2, scale: int = 1, templates: tuple[int, ...] | None = None,
-                  held_out_databases: int = 0, value_forms: str = "", domains: int = len(DOMAINS)) -> Path:
+                  held_out_databases: int = 0, value_forms: str = "", domains: int = len(DOMAINS),
+                  value_pool: int = 0) -> Path:
     """Writes train.json, dev.json and both splits' databases under out_dir; returns out_dir.
 
     `templates`: the TEMPLATES indices questions are drawn from (None: all). With
@@ -310,13 +313,20 @@ def write_dataset(out_dir, num_databases: int = 4, num_questions: int = 400, see
     domains: the same schema words, other rows, other db_ids), and every question text is assigned to
     one split by a seeded coin per domain, so no dev question is ever asked in train. `value_forms`
     ("suffix" or "case"; "" off): each database stores its place and category values in a form of its own
-    (tasks/synthetic_forms.py). `domains`: databases cycle through the first `domains` of DOMAINS."""
+    (tasks/synthetic_forms.py). `domains`: databases cycle through the first `domains` of DOMAINS.
+    `value_pool` = n > 0: each database (training and held out) has n places and 8 categories of its own,
+    made-up names no other database and no DOMAINS word has (tasks/synthetic_pool.py)."""
     if not 1 <= domains <= len(DOMAINS):
         raise ValueError(f"write_dataset: domains must be in 1..{len(DOMAINS)}, got {domains}")
     if num_databases < 1 or num_questions < 2 or not 0 < dev_fraction < 1 or scale < 1 or held_out_databases < 0:
         raise ValueError(f"write_dataset: need num_databases>=1, num_questions>=2, 0<dev_fraction<1, scale>=1, "
                          f"held_out_databases>=0 (got {num_databases}, {num_questions}, {dev_fraction}, {scale}, "
                          f"{held_out_databases})")
+    if value_pool and value_forms:
+        raise ValueError("write_dataset: value_pool and value_forms cannot be combined (the forms are balanced "
+                         "over the domains' own word lists)")
+    if value_pool < 0:
+        raise ValueError(f"write_dataset: value_pool must be >= 0, got {value_pool}")
     pool = tuple(range(len(TEMPLATES))) if templates is None else tuple(templates)
     if not pool or not all(0 <= t < len(TEMPLATES) for t in pool):
         raise ValueError(f"write_dataset: templates must be indices into TEMPLATES (0..{len(TEMPLATES) - 1}), "
@@ -339,8 +349,19 @@ def write_dataset(out_dir, num_databases: int = 4, num_questions: int = 400, see
 
         forms = conventions(value_forms, seed, [named(i) for i in range(num_databases)], [named(i) for i in held_index])
 
+    names = []
+    if value_pool:
+        from tasks.synthetic_pool import pools
+
+        reserved = set(_FIRST) | set(_LAST) | {w for dom in DOMAINS for k in ("places", "cats", "item_words")
+                                               for w in dom[k]}
+        names = pools(seed, num_databases + held_out_databases, value_pool, reserved)
+    build_order = list(range(num_databases)) + held_index
+
     def database(domain_index: int) -> tuple:
         db_id, d = _domain_for(domain_index, domains)
+        if names:
+            d = dict(d, **names[build_order.index(domain_index)])
         path = build / f"{db_id}.sqlite"
         return db_id, d, path, _build_database(path, d, random.Random(f"{seed}:{domain_index}"), scale, forms.get(db_id))
 

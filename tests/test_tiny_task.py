@@ -170,3 +170,56 @@ def test_held_out_databases_follow_every_training_instance(tmp_path):
     bird = write_dataset(tmp_path / "syn", 6, 60, seed=2, templates=TINY_TEMPLATES, held_out_databases=2)
     train_ids, dev_ids = {q["db_id"] for q in _rows(bird, "train")}, {q["db_id"] for q in _rows(bird, "dev")}
     assert {"retail_2", "school_2"} <= train_ids and dev_ids == {"retail_3", "school_3"}
+
+
+def test_value_pool_gives_every_database_values_of_its_own(tmp_path):
+    """data.synthetic_value_pool: no place or category value is shared by two databases or is a DOMAINS
+    word, so no held-out value ever appears in a training question; every gold query still runs and
+    returns rows on its own database, and the category list the schema shows is the database's own."""
+    from tasks.synthetic import DOMAINS
+
+    bird = write_dataset(tmp_path / "syn", 4, 400, seed=3, templates=(0, 1, 4, 5, 9), held_out_databases=2,
+                         value_pool=12)
+    train, dev = _rows(bird, "train"), _rows(bird, "dev")
+    values: dict[str, set] = {}
+    for split, rows in (("train", train), ("dev", dev)):
+        for q in rows:
+            db = bird / f"{split}_databases" / q["db_id"] / f"{q['db_id']}.sqlite"
+            con = sqlite3.connect(db)
+            try:
+                d = next(d for d in DOMAINS if d["entity"] in {r[0] for r in con.execute(
+                    "SELECT name FROM sqlite_master WHERE type='table'")})
+                places = {r[0] for r in con.execute(f"SELECT DISTINCT {d['place']} FROM {d['entity']}")}
+                cats = {r[0] for r in con.execute(f"SELECT DISTINCT {d['cat']} FROM {d['item']}")}
+            finally:
+                con.close()
+            values.setdefault(q["db_id"], places | cats)
+            assert len(places) <= 12 and len(cats) <= 8
+            assert not (places | cats) & (set(d["places"]) | set(d["cats"]))
+            assert _run(bird, split, q, q["SQL"]), q
+    ids = sorted(values)
+    for i, a in enumerate(ids):
+        for b in ids[i + 1:]:
+            assert not values[a] & values[b], (a, b)
+    train_text = " ".join(q["question"] for q in train)
+    dev_values = set().union(*(values[db] for db in {q["db_id"] for q in dev}))
+    assert dev_values and not any(v in train_text for v in dev_values)
+    desc = (bird / "dev_databases" / dev[0]["db_id"] / "database_description").glob("*.csv")
+    shown = " ".join(p.read_text(encoding="utf-8-sig") for p in desc)
+    assert any(v in shown for v in values[dev[0]["db_id"]])
+
+
+def test_value_pool_is_seeded_and_refuses_value_forms(tmp_path):
+    from config import ConfigError, apply_overrides
+    from config.recipes import get_recipe
+    from tasks.synthetic_pool import pools
+
+    assert pools(4, 3, 5) == pools(4, 3, 5) != pools(5, 3, 5)
+    args = dict(num_databases=2, num_questions=60, seed=1, templates=TINY_TEMPLATES, held_out_databases=2, value_pool=6)
+    assert _digest(write_dataset(tmp_path / "a", **args)) == _digest(write_dataset(tmp_path / "b", **args))
+    with pytest.raises(ValueError, match="value_pool and value_forms"):
+        write_dataset(tmp_path / "c", **args, value_forms="suffix")
+    with pytest.raises(ConfigError, match="data.synthetic_value_pool"):
+        apply_overrides(get_recipe("tiny_forms"), ["data.synthetic_value_pool=16"])
+    with pytest.raises(ConfigError, match="data.synthetic_value_pool"):
+        apply_overrides(get_recipe("tiny"), ["data.synthetic_value_pool=1"])
