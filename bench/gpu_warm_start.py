@@ -216,7 +216,7 @@ def evaluate(model, tok, task: dict, held: list[dict], train: list[dict], pool_b
     import torch
 
     from policies.sql_reward import extract_sql
-    from tasks.synthetic import slipped
+    from tasks.synthetic_text import slipped
 
     g = task["generator"]
     model.eval()

@@ -44,7 +44,7 @@ def sft_pairs(cfg: RunConfig, items: list, model_path: str) -> list[tuple[list[i
     from transformers import AutoTokenizer
 
     from queues.messages import unpack_ids
-    from tasks.synthetic import slipped
+    from tasks.synthetic_text import slipped
 
     tok = AutoTokenizer.from_pretrained(model_path)
 
@@ -139,7 +139,7 @@ class _Episodes:
         """(prompt ids, response ids, loss mask): a slip-then-fix episode when `error_first` (and a
         misspelling of the answer errors, or, for a share `model.tiny_sft_value_slips`, a misspelt value
         shows other rows), else the direct answer."""
-        from tasks.synthetic import slipped
+        from tasks.synthetic_text import slipped
         from tasks.synthetic_episodes import episode_target, look_target, revise_target
 
         answer = (slipped(item.gold_sql) if use_slip else None) or item.gold_sql

@@ -51,7 +51,7 @@ import random
 import re
 
 from policies import episode as ep
-from tasks.synthetic import DOMAINS
+from tasks.synthetic_text import DOMAINS
 from tasks.synthetic_forms import COLUMNS, POOL, TABLE
 
 _IDENT = re.compile(r"\b([A-Za-z_][A-Za-z_]{3,})\b")
