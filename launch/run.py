@@ -326,7 +326,10 @@ def start_ray(cfg: RunConfig, run_dir: Path, log) -> None:
     local cluster inherits it from this process instead: a runtime_env sends every worker through Ray's
     runtime-env agent (setup_worker.py) before it starts, ~13 s to the five actors on the loaded 2 cores
     (docs/perf/peers.md), for variables a local raylet's workers inherit anyway. The dashboard of a local
-    cluster is cluster.dashboard (and off when ray[default]'s modules are missing)."""
+    cluster is cluster.dashboard (and off when ray[default]'s modules are missing). A local cluster's actors run
+    at the launcher's own priority: Ray starts its workers 15 nice levels below the raylet unless
+    RAY_worker_niceness says otherwise, which on a shared machine starved every actor of ours behind any other
+    work (a tiny run at load ~40 took 13-26 minutes against 3.5); $RAY_worker_niceness, when set, is kept."""
     import ray
 
     from ray._private.utils import get_num_cpus as host_cpus
@@ -338,7 +341,8 @@ def start_ray(cfg: RunConfig, run_dir: Path, log) -> None:
         ray.init(address=address, runtime_env={"env_vars": run_env()}, log_to_driver=False)
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        with ray_on_loopback(cfg.cluster.ray_loopback), environ(run_env()):
+        with ray_on_loopback(cfg.cluster.ray_loopback), \
+                environ({**run_env(), "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0")}):
             init_local_ray(log, num_cpus=cfg.cluster.num_cpus or local_num_cpus(make_placement(cfg), host_cpus()),
                            num_gpus=cfg.cluster.gpus_per_node or None,
                            include_dashboard=cfg.cluster.dashboard and dashboard_available(log),

@@ -182,6 +182,7 @@ def test_a_local_cluster_inherits_the_run_env_and_tiny_has_no_dashboard_fake_ray
     monkeypatch.setattr(ray, "init", lambda **kw: seen.append((kw, dict(os.environ))))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
     monkeypatch.setenv("ARL_PROBE", "x")
     log = __import__("structlog").get_logger()
     for overrides, dashboard in (([], False), (["cluster.dashboard=true"], True)):
@@ -189,7 +190,8 @@ def test_a_local_cluster_inherits_the_run_env_and_tiny_has_no_dashboard_fake_ray
         kw, env = seen.pop()
         assert kw["address"] == "local" and kw["include_dashboard"] is dashboard and "runtime_env" not in kw
         assert env["OMP_NUM_THREADS"] == "1" and env["ARL_PROBE"] == "x" and env["PYTHONPATH"].startswith(str(run.Path(run.__file__).resolve().parent.parent))
-        assert "OMP_NUM_THREADS" not in os.environ  # restored
+        assert env["RAY_worker_niceness"] == "0"  # the actors at the launcher's priority, not 15 below it
+        assert "OMP_NUM_THREADS" not in os.environ and "RAY_worker_niceness" not in os.environ  # restored
     assert get_recipe("bird_32b").cluster.dashboard is True
     run.start_ray(apply_overrides(get_recipe("tiny"), ["cluster.ray_address=127.0.0.1:6379"]), None, log)
     kw, _ = seen.pop()
