@@ -30,10 +30,10 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from bench.outputs import work_dir
 from queues.messages import is_eval_task, task_step
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -384,8 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-root", default="")
     p.add_argument("--json", default="", help="also write the raw results here")
     a = p.parse_args(argv)
-    run_root = Path(a.run_root or tempfile.mkdtemp(prefix="arl-chaos-")).absolute()
-    run_root.mkdir(parents=True, exist_ok=True)
+    run_root = work_dir(a.run_root, "arl-chaos-")
     results = [] if a.skip_workers else [
         phase_workers(run_root, a.kills, a.steps, a.sft_steps, a.prompts_per_step, a.seed, a.redis_kills)]
     if not a.skip_resume:

@@ -27,17 +27,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from bench.hostile import HOSTILE_SQL, huge_text
+from bench.outputs import add_report_args, work_dir, write_reports
 from bench.serve import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -253,13 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", default="1,2")
     p.add_argument("--hostile-fraction", type=float, default=HOSTILE_FRACTION)
     p.add_argument("--work-dir", default="")
-    p.add_argument("--json", default="")
-    p.add_argument("--md", default="")
+    add_report_args(p)
     a = p.parse_args(argv)
     from tasks.bird import load_split
 
-    work = Path(a.work_dir or tempfile.mkdtemp(prefix="arl-serve-load-")).absolute()
-    work.mkdir(parents=True, exist_ok=True)
+    work = work_dir(a.work_dir, "arl-serve-load-")
     if a.model:
         model, bird = Path(a.model), Path(a.bird_dir)
     else:
@@ -286,10 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {a.clients} clients for {a.seconds:g} s each")
     md = head + "\n\n" + markdown(results)
     print(md)
-    if a.json:
-        Path(a.json).write_text(json.dumps({"head": head, "results": results}, indent=1))
-    if a.md:
-        Path(a.md).write_text(md + "\n")
+    write_reports(a, {"head": head, "results": results}, md)
     return 0 if all(not r["problems"] and r["service_rc"] == 0 for r in results) else 1
 
 

@@ -7,7 +7,8 @@
 Routes: `POST /v1/sql` {"question", "db_id", "evidence"?, "execute"?, "max_turns"?} -> the SQL (and with execute the
 rows, row-capped, or a verdict-style error) and timings; `POST /v1/execute` {"db_id", "sql"} runs SQL
 only; `GET /v1/databases` the db_ids with their tables and columns; `GET /v1/stats` this replica's
-counters; `GET /healthz`; `GET /` a page to try it by hand (launch/serve_page.py); the OpenAI-compatible
+counters (and pid); `GET /healthz` (an application of its own, launch/serve_health.py: it never waits
+behind generation or SQL); `GET /` a page to try it by hand (launch/serve_page.py); the OpenAI-compatible
 `GET /v1/models` and `POST /v1/chat/completions` (launch/serve_openai.py). Result rows come with
 their `columns`.
 
@@ -22,7 +23,11 @@ Invariants:
   the next query wait; each result reports `queue_wait_s` (waiting for a worker) apart from `execute_s`.
 - Who gets in: --host other than loopback is refused (one line, exit 2, before anything else is checked)
   unless an API key is set (ARL_API_KEY or --api-key); with a key, every route but /healthz answers 401
-  {"error": ...} unless the request carries `Authorization: Bearer <key>` (launch/serve_http.py).
+  {"error": ...} unless the request carries `Authorization: Bearer <key>` (launch/serve_http.py). Every
+  route of this app needs it: the proxy sends /healthz to the health app (launch/serve_health.py).
+- Health: Ray Serve's controller calls `check_health` on every replica (`health_check_period_s`,
+  `health_check_timeout_s`): a replica whose sandbox pool is gone, or that does not answer in time, is
+  replaced; /healthz reports the replicas the controller counts RUNNING.
 - Bad input is a 4xx with {"error": "<one line naming the field>"}: 400 bad JSON, 413 a body over the
   cap, 422 a missing or ill-typed field or an over-long question/prompt, 404 an unknown db_id or route,
   405 a wrong method. An
@@ -47,6 +52,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from launch.serve_health import HEALTH_APP, HEALTH_PREFIX, build_health
 from launch.serve_http import (  # noqa: F401  (re-exported: tests and callers import them from here)
     MAX_BODY_BYTES,
     RequestError,
@@ -83,15 +89,15 @@ async def _unexpected(request: Request, e: Exception) -> JSONResponse:
 
 @app.middleware("http")
 async def _authorize(request: Request, call_next):
-    """Every route but /healthz needs the key when the service has one (401, one line). The page's
-    401 offers HTTP Basic, so a browser asks for the key (as the password) and sends it on."""
-    if request.url.path != "/healthz":
-        digest = serve.get_replica_context().servable_object.opts.api_key_sha256
-        why = auth_refusal(digest, request.headers.get("authorization"))
-        if why:
-            response = _error(401, why)
-            response.headers["WWW-Authenticate"] = 'Basic realm="arl-sql"' if request.url.path == "/" else "Bearer"
-            return response
+    """Every route of this app needs the key when the service has one (401, one line; /healthz is not
+    routed here). The page's 401 offers HTTP Basic, so a browser asks for the key (as the password) and
+    sends it on."""
+    digest = serve.get_replica_context().servable_object.opts.api_key_sha256
+    why = auth_refusal(digest, request.headers.get("authorization"))
+    if why:
+        response = _error(401, why)
+        response.headers["WWW-Authenticate"] = 'Basic realm="arl-sql"' if request.url.path == "/" else "Bearer"
+        return response
     return await call_next(request)
 
 
@@ -127,6 +133,12 @@ class SqlService:
         self.counters = {"requests": 0, "batches": 0, "batched_requests": 0, "max_batch": 0}
         self.log.info("serve.ready", model=self.opts.model, databases=len(self.dbs), style=style,
                       max_batch_size=self.opts.max_batch_size, pid=os.getpid())
+
+    def check_health(self) -> None:
+        """Ray Serve's controller calls it every health_check_period_s; raising (or not answering within
+        health_check_timeout_s) makes it replace this replica."""
+        if not self.pool.alive:
+            raise RuntimeError("the SQL sandbox pool is closed or its dispatcher thread died")
 
     def __del__(self):
         """Ray Serve calls it when the replica stops: the sandbox workers and their temp dir go with it."""
@@ -286,13 +298,9 @@ class SqlService:
 
     @app.get("/v1/stats")
     async def stats(self) -> JSONResponse:
-        return JSONResponse({**self.counters, **self.engine.stats(), "sql_queries": self.pool.queries,
+        return JSONResponse({**self.counters, **self.engine.stats(), "pid": os.getpid(), "sql_queries": self.pool.queries,
                              "sql_workers": self.pool.workers, "sql_peak_workers": self.pool.peak_workers,
                              "sql_queue_wait_s": round(self.pool.queue_wait_s, 4)})
-
-    @app.get("/healthz")
-    async def healthz(self) -> JSONResponse:
-        return JSONResponse({"status": "ok", "model": self.opts.model, "databases": len(self.dbs)})
 
     @app.get("/")
     async def page(self) -> HTMLResponse:
@@ -301,16 +309,19 @@ class SqlService:
         return HTMLResponse(PAGE)
 
 
-def build_app(opts: ServeOptions, replicas: int = 1, actor_options: dict | None = None, max_ongoing: int = 64):
+def build_app(opts: ServeOptions, replicas: int = 1, actor_options: dict | None = None, max_ongoing: int = 64,
+              deployment_options: dict | None = None):
+    """The model app; `deployment_options` go to SqlService.options (e.g. health_check_timeout_s)."""
     return SqlService.options(num_replicas=replicas, max_ongoing_requests=max_ongoing,
-                              ray_actor_options=actor_options or {"num_cpus": 1.0}).bind(asdict(opts))
+                              ray_actor_options=actor_options or {"num_cpus": 1.0},
+                              **(deployment_options or {})).bind(asdict(opts))
 
 
 def start(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, replicas: int = 1,
-          actor_options: dict | None = None, timeout_s: float = 600.0) -> str:
-    """Deploys the app on the connected Ray cluster and waits (bounded) until it answers; returns its URL.
-    The deploy runs in a daemon thread, so an interrupt while it waits never leaves the process waiting
-    on it at exit."""
+          actor_options: dict | None = None, timeout_s: float = 600.0, deployment_options: dict | None = None) -> str:
+    """Deploys the model app at `/`, then the health app at `/healthz`, on the connected Ray cluster and
+    waits (bounded) until both answer; returns the URL. The deploy runs in a daemon thread, so an
+    interrupt while it waits never leaves the process waiting on it at exit."""
     import threading
 
     serve.start(http_options={"host": host, "port": port, "request_timeout_s": opts.request_timeout_s + 60})
@@ -318,7 +329,9 @@ def start(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, replica
 
     def deploy():
         try:
-            serve.run(build_app(opts, replicas, actor_options), name=APP_NAME, route_prefix="/")
+            serve.run(build_app(opts, replicas, actor_options, deployment_options=deployment_options),
+                      name=APP_NAME, route_prefix="/")
+            serve.run(build_health(APP_NAME, "SqlService", opts), name=HEALTH_APP, route_prefix=HEALTH_PREFIX)
             outcome.append(None)
         except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
             outcome.append(e)

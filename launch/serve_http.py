@@ -47,6 +47,8 @@ class ServeOptions:
     return_rows: int = 200  # rows sent back (row_count says how many there were)
     engine_kwargs: dict = field(default_factory=dict)
     api_key_sha256: str = ""  # "" -> no key: every route is open (loopback only, see host_refusal)
+    health_poll_s: float = 1.0  # /healthz asks Ray Serve's controller this often (launch/serve_health.py)
+    health_max_age_s: float = 15.0  # an older answer is a 503
 
 
 class RequestError(Exception):

@@ -211,6 +211,11 @@ class SqlPool:
         return [w.pid for w in self._workers]
 
     @property
+    def alive(self) -> bool:
+        """Open and its dispatcher thread running (what a health check asks)."""
+        return not self._closed and self._thread.is_alive()
+
+    @property
     def workers(self) -> int:
         return len(self._workers)
 

@@ -86,7 +86,9 @@ def test_cli_bad_input_exits_2_before_starting_ray(tmp_path, capsys, monkeypatch
 
 def test_health_databases_and_page(service):
     client, _, _ = service
-    assert client.get("/healthz").json()["status"] == "ok"
+    health = client.get("/healthz").json()  # the health app's answer (launch/serve_health.py)
+    assert health["status"] == "ok" and health["replicas"] == {"RUNNING": 1} and health["databases"] == 2
+    assert client.post("/healthz").status_code == 405
     dbs = client.get("/v1/databases").json()["databases"]
     assert len(dbs) == 2 and all(d["tables"] and d["tables"][0]["columns"] for d in dbs)
     page = client.get("/")
@@ -357,6 +359,7 @@ def test_page_in_headless_chromium_answers_a_typed_question(service, tmp_path):
 @pytest.mark.parametrize("method, path", [
     ("GET", "/"), ("GET", "/v1/databases"), ("GET", "/v1/stats"), ("GET", "/v1/models"), ("POST", "/v1/sql"),
     ("POST", "/v1/execute"), ("POST", "/v1/chat/completions"), ("GET", "/v1/nowhere"), ("GET", "/v1/sql"),
+    ("GET", "/healthz/anything"),  # under the health app's prefix: the key rule holds there too
 ])
 def test_every_route_but_healthz_needs_the_key(service, method, path):
     """Without the key, with a wrong one or another scheme: 401 with one line under "error", before the
@@ -372,6 +375,7 @@ def test_every_route_but_healthz_needs_the_key(service, method, path):
         assert set(r.json()) == {"error"} and reason in r.json()["error"] and "\n" not in r.json()["error"]
         assert r.headers["www-authenticate"] == ('Basic realm="arl-sql"' if path == "/" else "Bearer")
     assert httpx.get(base + "/healthz", timeout=60).json()["status"] == "ok"
+    assert httpx.get(base + "/healthz/anything", headers={"Authorization": f"Bearer {KEY}"}, timeout=60).status_code == 404
     basic = "Basic " + base64.b64encode(f"anyone:{KEY}".encode()).decode()  # a browser after its login prompt
     assert httpx.get(base + "/v1/databases", headers={"Authorization": basic}, timeout=60).status_code == 200
 
