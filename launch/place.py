@@ -134,20 +134,22 @@ def create_learner(cfg: RunConfig, ctx: RunContext, model_path: str, total_steps
 
 
 def place_and_run(cfg: RunConfig, ctx: RunContext, model_path: str, train_items: list, eval_items: list, log,
-                  names: str = "") -> dict[str, Any]:
+                  names: str = "", draws=None) -> dict[str, Any]:
+    """`draws`: the warm start's (launch.warm_start.Draws, made in the inputs' child process), else the warm
+    start draws them here."""
     names = names or ctx.run_id
     memory = StartupMemory(log, cfg.cluster.gpus_per_node > 0)
     learner, generators, scorers, assembler, placement, groups = create_actors(
         cfg, ctx, model_path, cfg.coordinator.steps, names, memory=memory)
     try:
         return _drive(cfg, ctx, model_path, train_items, eval_items, log, names,
-                      (learner, generators, scorers, assembler), placement, groups, memory)
+                      (learner, generators, scorers, assembler), placement, groups, memory, draws)
     finally:
         remove_groups(groups)  # a relaunch places its own; removing a group also ends the actors in it
 
 
 def _drive(cfg: RunConfig, ctx: RunContext, model_path: str, train_items: list, eval_items: list, log, names: str,
-           actors: tuple, placement, groups: list, memory: StartupMemory | None = None) -> dict[str, Any]:
+           actors: tuple, placement, groups: list, memory: StartupMemory | None = None, draws=None) -> dict[str, Any]:
     import asyncio
 
     from actors.coordinator.coordinator import Coordinator
@@ -174,13 +176,14 @@ def _drive(cfg: RunConfig, ctx: RunContext, model_path: str, train_items: list, 
                             assembler=assembler)
         wait_built({"coordinator": coordinator})
         return _drive_coordinator(cfg, Path(ctx.run_dir), model_path, train_items, log, learner, generators,
-                                  coordinator, loops, memory)
+                                  coordinator, loops, memory, draws)
     finally:
         stop_actors(names, generators, scorers, assembler, learner, coordinator, loops, log)
 
 
 def _drive_coordinator(cfg: RunConfig, run_dir: Path, model_path: str, train_items: list, log, learner,
-                       generators: list, coordinator, loops: list, memory: StartupMemory | None = None) -> dict[str, Any]:
+                       generators: list, coordinator, loops: list, memory: StartupMemory | None = None,
+                       draws=None) -> dict[str, Any]:
     """Warm start (or resume), the initial sync, then the coordinator's loop to its end, watching the
     stream loops (one that ends on its own is an error) and the coordinator's liveness (watch_coordinator).
     `memory` marks the start-up phases. Every wait is bounded: the coordinator and the learner group bound
@@ -207,7 +210,7 @@ def _drive_coordinator(cfg: RunConfig, run_dir: Path, model_path: str, train_ite
                                                    cfg.generator.sleep_level) for i, g in enumerate(generators)))
             asyncio.run(sleep_all())
             memory.mark("engines asleep", learner, generators)
-        sft = warm_start(cfg, learner, train_items, model_path, log)
+        sft = warm_start(cfg, learner, train_items, model_path, log, draws=draws)
         if sft:
             memory.mark("warm start done", learner, generators)
         watch_coordinator(coordinator, coordinator.initial_sync.remote(sft), bound, loops)

@@ -1,8 +1,9 @@
 """One run, start to finish: data, model, Redis, Ray, the actors, the coordinator's loop.
 
-The whole control loop lives in actors/coordinator/coordinator.py; this module only prepares inputs,
-places the actors and tears everything down (Ctrl-C and errors included), so that nothing it
-started (Ray workers, redis-server) outlives it.
+The whole control loop lives in actors/coordinator/coordinator.py; this module only prepares inputs
+(launch/inputs.py: built in a child process that exits, so this process never imports torch), places the
+actors and tears everything down (Ctrl-C and errors included), so that nothing it started (Ray workers,
+redis-server) outlives it.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from config import layout
 from queues.errors import one_line  # noqa: F401 - launch.run.one_line for the CLI and preflight
 from tasks.bird import BirdDataError
 from launch.commands import command
+from launch.inputs import build_in_child, input_paths, offline_unless_allowed
+from launch.inputs import load_prompts, prepare_model_and_data  # noqa: F401 - launch.run's names (bench/)
 from launch.export import next_steps
 from launch.progress import summary
 from observe.logs import setup_logging
@@ -67,62 +70,14 @@ def check_bird_dir(cfg: RunConfig) -> None:
             raise ConfigError(f"config key 'data.bird_dir': {e}") from None
 
 
-def prepare_model_and_data(cfg: RunConfig, run_dir: Path, log) -> tuple[str, str]:
-    """Returns (model_path, bird_dir); builds the synthetic task and the tiny model when asked."""
-    bird_dir = cfg.data.bird_dir
-    if cfg.data.synthetic:
-        from tasks.synthetic import write_dataset
+def launcher_footprint() -> dict[str, Any]:
+    """This process's peak RSS (MB) and whether torch / transformers were ever imported in it (1/0): the
+    launcher lives as long as the run and should stay light (launch/inputs.py)."""
+    import resource
+    import sys
 
-        bird_dir = str(layout.data_dir(run_dir))
-        if not (Path(bird_dir) / "train.json").exists():
-            log.info("building synthetic task", dir=bird_dir, databases=cfg.data.synthetic_databases,
-                     questions=cfg.data.synthetic_questions)
-            write_dataset(bird_dir, cfg.data.synthetic_databases, cfg.data.synthetic_questions, cfg.data.synthetic_seed,
-                          dev_fraction=cfg.data.synthetic_dev_fraction, templates=cfg.data.synthetic_templates or None,
-                          held_out_databases=cfg.data.synthetic_held_out_databases,
-                          value_forms=cfg.data.synthetic_value_forms, domains=cfg.data.synthetic_domains,
-                          value_pool=cfg.data.synthetic_value_pool)
-    model_path = cfg.model.path
-    if cfg.model.source == "tiny":
-        from tasks.synthetic import texts_for_tokenizer
-        from tasks.tiny_model import build_tiny
-
-        model_path = str(layout.model_dir(run_dir))
-        log.info("building tiny tokenizer and model", dir=model_path)
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # the console keeps to our lines (and `error: ...`)
-        build_tiny(model_path, texts_for_tokenizer(bird_dir), seed=cfg.seed, model_cfg=cfg.model)
-    elif not cfg.model.allow_download and not Path(model_path).exists():
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a hub id then loads only from the local cache
-    return model_path, bird_dir
-
-
-def load_prompts(cfg: RunConfig, model_path: str, bird_dir: str, log) -> tuple[list, list]:
-    from transformers import AutoTokenizer
-
-    from tasks.bird import build_prompts, load_split
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path,
-                                                  trust_remote_code=cfg.model.trust_remote_code)
-    except OSError as e:
-        raise ConfigError(f"config key 'model.path': cannot load a tokenizer from {model_path!r} "
-                          f"({str(e).splitlines()[0]})") from None
-    style = "compact" if cfg.model.source == "tiny" else "omnisql"
-    out = []
-    for split, limit in ((cfg.data.train_split, cfg.data.limit), (cfg.data.eval_split, cfg.data.eval_size)):
-        questions = load_split(bird_dir, split)
-        if limit:
-            questions = questions[:limit]
-        items, dropped = build_prompts(questions, tokenizer, cfg.data.max_prompt_tokens, style=style,
-                                       sample_values=cfg.data.sample_values, max_turns=cfg.generator.max_turns)
-        log.info("prompts", split=split, kept=len(items), dropped_over_budget=dropped)
-        out.append(items)
-    if not out[0]:
-        raise ConfigError(f"config key 'data.max_prompt_tokens': every {cfg.data.train_split} prompt is over "
-                          f"{cfg.data.max_prompt_tokens} tokens")
-    return out[0], out[1]
+    return {"launcher_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "launcher_torch": int("torch" in sys.modules), "launcher_transformers": int("transformers" in sys.modules)}
 
 
 class RunFailed(ConfigError):
@@ -369,9 +324,13 @@ def run(cfg: RunConfig) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    pending = None
     try:
-        model_path, bird_dir = prepare_model_and_data(cfg, run_dir, log)
-        train_items, eval_items = load_prompts(cfg, model_path, bird_dir, log)
+        # The model, data, prompts and warm-start draws are built in a child process (launch/inputs.py) while
+        # Redis starts; Ray starts once they are ready, so that bad input still fails in seconds.
+        offline_unless_allowed(cfg)
+        pending = build_in_child(cfg, run_dir)
+        model_path, bird_dir = input_paths(cfg, run_dir)
         redis_url, redis_server = start_redis(cfg, run_dir, log)
         # What every actor is built from beside its config section (launch/place.py); the scorers open
         # databases under data_dir only.
@@ -380,6 +339,8 @@ def run(cfg: RunConfig) -> int:
             purged = purge_run_keys(redis_url, run_id)
             if purged:
                 log.info("resume: dropped the crashed attempt's streams", keys=purged)
+        inputs = pending.result()
+        model_path, train_items, eval_items = inputs.model_path, inputs.train_items, inputs.eval_items
         start_ray(cfg, run_dir, log)
         # Again: ray.init installs its own SIGTERM handler (the driver aborts with a C++ stack, skipping
         # this teardown); ours makes SIGTERM the Ctrl-C path (bench/soak.py stops every half with it).
@@ -388,9 +349,9 @@ def run(cfg: RunConfig) -> int:
 
         log.info("run started", run_id=run_id, run_dir=str(run_dir), redis=redis_server.socket_path if redis_server else
                  "external", dashboard=_dashboard_url())
-        result = run_with_relaunches(cfg, ctx, model_path, train_items, eval_items, log)
+        result = run_with_relaunches(cfg, ctx, model_path, train_items, eval_items, log, draws=inputs.draws)
         log.info("run finished", **{k: v for k, v in result.items() if k != "outcomes"}, **{
-            f"prompts_{k}": v for k, v in result["outcomes"].items()})
+            f"prompts_{k}": v for k, v in result["outcomes"].items()}, **launcher_footprint())
         print(summary(run_dir), flush=True)
         print(f"run directory: {run_dir}\nmetrics: {layout.metrics_file(run_dir)}\n"
               f"plot: {command('launch.report', run_dir)}" + next_steps(run_dir, bird_dir, cfg.data.eval_split),
@@ -412,6 +373,8 @@ def run(cfg: RunConfig) -> int:
         _log_failure(run_dir, e)
         raise RunFailed(f"{one_line(e)} (traceback: {run_dir / 'logs' / 'launcher.jsonl'})") from None
     finally:
+        if pending is not None:
+            pending.close()
         try:
             import ray
 
@@ -444,13 +407,14 @@ def actor_died(e: BaseException) -> bool:
 
 
 def run_with_relaunches(cfg: RunConfig, ctx: RunContext, model_path: str, train_items: list, eval_items: list,
-                        log) -> dict[str, Any]:
+                        log, draws=None) -> dict[str, Any]:
     """place_and_run, started again from the latest checkpoint when the learner or the
     coordinator dies (actors Ray does not restart), any actor freezes (a call to it ran past
     coordinator.call_timeout_s; the relaunch kills it) or a learner collective fails on a dead or hung
     peer (learner.collective_timeout_s), up to cluster.max_relaunches times. Before the run's first
     checkpoint it starts again from the beginning (warm start included): nothing of the attempt counts,
-    its metrics rows are superseded by the new attempt's."""
+    its metrics rows are superseded by the new attempt's. `draws`: the warm start's (launch/inputs.py), kept
+    for such a start again."""
     from actors.coordinator.coordinator import Coordinator
     from launch.place import kill_run_actors, place_and_run
 
@@ -459,7 +423,7 @@ def run_with_relaunches(cfg: RunConfig, ctx: RunContext, model_path: str, train_
     while True:
         try:
             names = run_id if relaunches == 0 else f"{run_id}:relaunch{relaunches}"
-            return place_and_run(cfg, ctx, model_path, train_items, eval_items, log, names)
+            return place_and_run(cfg, ctx, model_path, train_items, eval_items, log, names, draws=draws)
         except Exception as e:  # noqa: BLE001 - re-raised unless it is an actor death we can resume from
             latest = Coordinator.latest_checkpoint(Path(ctx.run_dir))
             if not actor_died(e) or relaunches >= cfg.cluster.max_relaunches:

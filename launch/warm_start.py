@@ -9,7 +9,8 @@ With `model.tiny_sft_slip` = p > 0, each drawn pair's target is its template's s
 every draw, so the warm policy learns a mixture (the gold answer about 1 - p of the time) rather than
 which prompt had which label; prompts of no template keep their gold SQL. Only training prompts are
 used: the held-out split is never seen here. Steps travel `steps_per_call` at a time in one learner call
-(`sft_steps`: each rank loops over them), with the draws made here in the same order as one call a step
+(`sft_steps`: each rank loops over them); every step's draws are made beforehand (`draw`, in the launcher's
+inputs child process: the launcher itself never loads the tokenizer) in the same order as one call a step
 would make them, so the run is the same whichever the batching. A step's draws are `step_draws` (this module imports
 neither config nor msgspec: bench/gpu_warm_start.py replays the draws on a device that has only torch).
 In a colocated run the launcher puts the engines to sleep before it (launch/place.py), so the warm
@@ -32,6 +33,7 @@ would be); an example whose gold compares no place or category value stays a dir
 """
 from __future__ import annotations
 
+import random
 import time
 from typing import TYPE_CHECKING, Iterator
 
@@ -73,43 +75,73 @@ def will_warm_start(cfg: RunConfig) -> bool:
 STEPS_PER_CALL = 20  # warm-start steps a learner call carries (each rank loops over them)
 
 
+class Draws:
+    """Every warm-start step's examples, drawn in order (`draw`), kept compact (token ids as int32
+    arrays; a prompt's array shared by all its draws): the launcher builds them in its inputs' child
+    process (launch/inputs.py) and holds them for the run (a relaunch before the first checkpoint warm-starts
+    again from the same draws). `chunk(i, n)` gives steps i..i+n-1 as the learner takes them (lists)."""
+
+    def __init__(self, steps: list, slips: int, drawn: int, fixes: int):
+        self.steps, self.slips, self.drawn, self.fixes = steps, slips, drawn, fixes
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def chunk(self, start: int, n: int) -> list[list[tuple]]:
+        return [[tuple(part.tolist() for part in ex) for ex in step] for step in self.steps[start:start + n]]
+
+
+def draw(cfg: RunConfig, items: list, model_path: str) -> Draws:
+    """The warm start's `model.tiny_sft_steps` steps of draws (module docstring): pairs tokenized here
+    (`sft_pairs`), drawn with random.Random(cfg.seed) in the order one learner call a step would draw them
+    (episodes draw from the same rng between two draws). Needs the tokenizer (transformers); no learner."""
+    from array import array
+
+    def ids(seq) -> array:
+        return array("i", seq)
+
+    pairs = [(ids(p), ids(g), ids(s) if s is not None else None) for p, g, s in sft_pairs(cfg, items, model_path)]
+    rng = random.Random(cfg.seed)
+    batch, p_slip, p_episode = cfg.model.tiny_sft_batch, cfg.model.tiny_sft_slip, cfg.model.tiny_sft_episodes
+    episodes = _Episodes(cfg, model_path) if p_episode > 0 and cfg.generator.max_turns > 1 else None
+    steps, slips, drawn, fixes = [], 0, 0, 0
+    for _ in range(cfg.model.tiny_sft_steps):
+        step = []
+        for k, use_slip in step_draws(pairs, rng, batch, p_slip):
+            prompt, gold, slip = pairs[k]
+            slips += use_slip
+            drawn += 1
+            if episodes is None:
+                step.append((prompt, slip if use_slip else gold))
+                continue
+            _, response, mask = episodes.example(items[k], prompt.tolist(), use_slip, rng.random() < p_episode, rng)
+            fixes += len(mask) > 0 and 0 in mask
+            step.append((prompt, ids(response), array("b", mask)))
+        steps.append(step)
+    return Draws(steps, slips, drawn, fixes)
+
+
 def warm_start(cfg: RunConfig, learner, items: list, model_path: str, log,
-               steps_per_call: int = STEPS_PER_CALL) -> dict[str, float]:
+               steps_per_call: int = STEPS_PER_CALL, draws: Draws | None = None) -> dict[str, float]:
     """The tiny recipe's supervised warm-start on (partly slipped) SQL, so RL starts with some signal.
-    Returns its scalars; `time_sft` is the wall time, `time_sft_learner` rank 0's time inside the steps
-    (the rest is the calls' round trips and the draws here)."""
+    `draws`: made beforehand (launch/inputs.py, in the inputs' child process), else drawn here (`draw`:
+    the tokenizer loads in this process). Returns its scalars; `time_sft` is the wall time of the learner
+    calls, `time_sft_learner` rank 0's time inside the steps (the rest is the calls' round trips)."""
     import asyncio
-    import random
 
     steps = cfg.model.tiny_sft_steps
     if not will_warm_start(cfg):
         return {}
-    pairs = sft_pairs(cfg, items, model_path)
-    rng = random.Random(cfg.seed)
-    batch, p_slip, p_episode = cfg.model.tiny_sft_batch, cfg.model.tiny_sft_slip, cfg.model.tiny_sft_episodes
-    episodes = _Episodes(cfg, model_path) if p_episode > 0 and cfg.generator.max_turns > 1 else None
-    losses, slips, drawn, fixes = [], 0, 0, 0
+    if draws is None:
+        draws = draw(cfg, items, model_path)
+    losses: list[float] = []
     learner_s, calls = 0.0, 0
     start = time.perf_counter()
     every = max(1, steps // 5)
     done = 0
     while done < steps:
         batch_steps = min(steps_per_call, steps - done)
-        chunks = []
-        for _ in range(batch_steps):
-            chunk = []
-            for k, use_slip in step_draws(pairs, rng, batch, p_slip):
-                prompt, gold, slip = pairs[k]
-                slips += use_slip
-                drawn += 1
-                if episodes is None:
-                    chunk.append((prompt, slip if use_slip else gold))
-                    continue
-                triple = episodes.example(items[k], prompt, use_slip, rng.random() < p_episode, rng)
-                fixes += len(triple[2]) > 0 and 0 in triple[2]
-                chunk.append(triple)
-            chunks.append(chunk)
-        out = asyncio.run(learner.sft_steps(chunks, cfg.model.tiny_sft_lr))
+        out = asyncio.run(learner.sft_steps(draws.chunk(done, batch_steps), cfg.model.tiny_sft_lr))
         losses += out["losses"]
         learner_s += out["seconds"]
         calls += 1
@@ -118,7 +150,7 @@ def warm_start(cfg: RunConfig, learner, items: list, model_path: str, log,
             log.info("warm-start", step=done, of=steps, loss=round(sum(losses[-20:]) / len(losses[-20:]), 4))
     wall = time.perf_counter() - start
     return {"sft_loss_first": losses[0], "sft_loss_last": sum(losses[-10:]) / len(losses[-10:]),
-            "sft_slipped_share": slips / max(drawn, 1), "sft_error_fix_share": fixes / max(drawn, 1),
+            "sft_slipped_share": draws.slips / max(draws.drawn, 1), "sft_error_fix_share": draws.fixes / max(draws.drawn, 1),
             "time_sft": wall, "time_sft_learner": learner_s, "sft_calls": float(calls),
             "sft_step_s": wall / steps}
 

@@ -24,6 +24,10 @@ def run_tiny(tmp_path, run_id: str, *overrides: str, steps: int = 3, sft_steps: 
     stopped = [e for e in events if e["event"] == "actors stopped"]
     assert len(stopped) == 1 and stopped[0]["alive"] == 0 and "error" not in stopped[0], stopped
     assert stopped[0]["loops_drained"] == stopped[0]["loops"] >= 2 and stopped[0]["killed"] >= 5, stopped
+    # The launcher lives as long as the run: its inputs (model, tokenizer, prompts, warm-start draws) were
+    # built in a child process (launch/inputs.py), so torch and transformers never entered it.
+    finished = [e for e in events if e["event"] == "run finished"]
+    assert len(finished) == 1 and finished[0]["launcher_torch"] == 0 == finished[0]["launcher_transformers"], finished
     rows = [json.loads(line) for line in (tmp_path / run_id / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r["step"] >= 0]
     assert [r["step"] for r in rows] == list(range(steps))
