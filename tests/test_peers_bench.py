@@ -37,6 +37,18 @@ def test_table_prints_every_side_the_ratios_and_the_differences():
     assert text.endswith("- one difference\n- another")
 
 
+def test_over_seeds_means_each_side_with_its_range_and_the_ratio_of_the_means():
+    def row(name, sps, mem, ex):
+        return {"name": name, "samples_per_s_e2e": sps, "peak_rss_gb": mem, "ex_greedy": ex, "sampled_reward": None}
+    runs = [{"seed": s, "rows": [row(f"ours (seed {s})", sps, 2.0, ex)], "peer": row(f"TRL (seed {s})", 10.0, 1.0, 0.5)}
+            for s, sps, ex in ((0, 20.0, 0.4), (1, 30.0, 0.6))]
+    text = table.over_seeds(runs)
+    lines = text.splitlines()
+    assert lines[2].startswith("| ours (2 seeds) | 25.0 (20.0-30.0) | - |") and "| 0.500 (0.400-0.600) |" in lines[2]
+    assert lines[3].startswith("| TRL (2 seeds) | 10.0 (10.0-10.0) |")
+    assert "samples/s end to end 2.50x" in text and "peak memory 2.00x (RSS)" in text
+
+
 def test_timeline_from_step_end_times():
     t = ours.timeline([110.0, 111.0, 113.0, 114.0], start=100.0, samples_per_step=128)
     assert t["first_step_s"] == 10.0 and t["steps"] == 4.0

@@ -3,6 +3,7 @@
     nice -n 10 .venv/bin/python -m bench.peers                 # 60 steps, both sides; table on stdout
     SMOKE=1 .venv/bin/python -m bench.peers                    # 3 steps, 20 warm-start steps, 8 held-out prompts
     SIDES=ours .venv/bin/python -m bench.peers                 # our side only (no peer venv)
+    SEEDS="0 1 2" nice -n 10 .venv/bin/python -m bench.peers    # one export, then both sides once per seed
 
 What runs, in order (each command a child process whose whole process tree's RSS is sampled every
 0.5 s, bench/peers/tree.py):
@@ -17,7 +18,9 @@ What runs, in order (each command a child process whose whole process tree's RSS
 Writes $OUT/peers.json (every number, the start-up and per-step profiles of our run) and $OUT/peers.md
 (the table, the differences, the profile); prints the table. Env: STEPS, OUT, SIDES ("ours trl"), SMOKE,
 PEERS_OFFLINE (build the peer venv from local sources only), PEERS_TRL_THREADS (TRL's OMP_NUM_THREADS, 1),
-PEERS_NO_EVAL_ROW=0 (leave out our coordinator.eval_every=0 row).
+PEERS_NO_EVAL_ROW=0 (leave out our coordinator.eval_every=0 row), SEEDS (RL seeds run from the one export,
+each side once per seed, in turn: our `seed=S` (data.synthetic_seed kept: the export's task), TRL's seed S;
+empty: the recipe's seed; the table per seed, then the means over seeds).
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ TIMEOUT_S = 3600.0
 # Intra-op threads of TRL's process. Our launcher gives each actor OMP_NUM_THREADS=1; on a shared, loaded
 # machine torch's default (one thread per core) makes every parallel op wait for a descheduled thread.
 TRL_THREADS = os.environ.get("PEERS_TRL_THREADS", "1")
+SEEDS: list[int | None] = [int(x) for x in os.environ.get("SEEDS", "").split()] or [None]
 
 
 def log(msg: str) -> None:
@@ -56,8 +60,19 @@ def our_variants() -> list[tuple[str, list[str]]]:
     return rows
 
 
-def settings(steps: int) -> dict:
-    cfg = ours.recipe_config()
+def seed_overrides(seed: int | None) -> list[str]:
+    """Our run's overrides for an RL seed: `seed=S` with the task's seed kept (the export's data)."""
+    if seed is None:
+        return []
+    return [f"seed={seed}", f"data.synthetic_seed={ours.recipe_config().data.synthetic_seed}"]
+
+
+def seed_tag(seed: int | None) -> str:
+    return "" if seed is None else f"s{seed}"
+
+
+def settings(steps: int, seed: int | None = None) -> dict:
+    cfg = ours.recipe_config(seed_overrides(seed))
     g, lr, sc = cfg.generator, cfg.learner, cfg.scorer
     return {"steps": steps, "prompts_per_step": cfg.coordinator.prompts_per_step, "n_samples": g.n_samples,
             "max_tokens": g.max_tokens, "temperature": g.temperature, "top_p": g.top_p, "lr": lr.lr,
@@ -93,15 +108,15 @@ def make_export(root: Path) -> dict:
             "peak_rss_gb": t.peak_rss_bytes / 1e9, "peak_processes": t.peak_processes}
 
 
-def run_ours(root: Path, name: str, extra: list[str], i: int, samples_per_step: int) -> dict:
-    run_id = f"ours{i}"
+def run_ours(root: Path, name: str, extra: list[str], i: int, samples_per_step: int, seed: int | None = None) -> dict:
+    run_id = f"ours{i}{seed_tag(seed)}"
     run_dir = ours.prepare_run_dir(root, run_id)
     cmd = ours.run_command(root, run_id, STEPS, extra)
     log(f"{name}: {' '.join(cmd[1:])}")
     console = root / f"{run_id}.console"
     t = run_tree(cmd, cwd=REPO, log_path=console, timeout_s=TIMEOUT_S)
     check(t, name, console)
-    row = {"name": name, "side": "ours", "command": " ".join(cmd[1:]), **tree_fields(t, STEPS * samples_per_step),
+    row = {"name": name, "side": "ours", "seed": seed, "command": " ".join(cmd[1:]), **tree_fields(t, STEPS * samples_per_step),
            **ours.ours_numbers(run_dir, t.start, samples_per_step)}
     rows = ours.metrics_rows(run_dir)
     row["prompts_trained"] = sum(int(r.get("prompts_trained") or 0) for r in rows if r.get("step", -1) >= 0)
@@ -112,10 +127,10 @@ def run_ours(root: Path, name: str, extra: list[str], i: int, samples_per_step: 
     return row
 
 
-def run_trl(root: Path, venv: Path, samples_per_step: int) -> dict:
-    out = root / "trl"
+def run_trl(root: Path, venv: Path, samples_per_step: int, seed: int | None = None) -> dict:
+    out = root / f"trl{seed_tag(seed)}"
     out.mkdir(parents=True, exist_ok=True)
-    spec = {"model": str(ours.warm_export(root)), "out_dir": str(out), "settings": settings(STEPS),
+    spec = {"model": str(ours.warm_export(root)), "out_dir": str(out), "settings": settings(STEPS, seed),
             "prompts": ours.prompts_in_order(root / "warm", STEPS)}
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -126,12 +141,14 @@ def run_trl(root: Path, venv: Path, samples_per_step: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and k not in dist and not k.startswith("ACCELERATE_")}
     env["OMP_NUM_THREADS"] = TRL_THREADS  # as every one of our actors (launch/run.py run_env's default)
     log(f"TRL GRPOTrainer: {' '.join(cmd)}")
-    t = run_tree(cmd, cwd=out, env=env, log_path=root / "trl.console", timeout_s=TIMEOUT_S)
-    check(t, "the TRL side", root / "trl.console")
+    console = root / f"trl{seed_tag(seed)}.console"
+    t = run_tree(cmd, cwd=out, env=env, log_path=console, timeout_s=TIMEOUT_S)
+    check(t, "the TRL side", console)
     meta = json.loads((out / "trl_meta.json").read_text())
     steps = [json.loads(x) for x in (out / "trl_steps.jsonl").read_text().splitlines() if x.strip()]
     ends = [s["time"] for s in steps if "loss" in s or "reward" in s][:STEPS]
-    row = {"name": f"TRL {meta['versions']['trl']} GRPOTrainer", "side": "trl", "command": " ".join(cmd),
+    row = {"name": f"TRL {meta['versions']['trl']} GRPOTrainer" + ("" if seed is None else f" (seed {seed})"),
+           "side": "trl", "seed": seed, "command": " ".join(cmd),
            **tree_fields(t, STEPS * samples_per_step), **ours.timeline(ends, t.start, samples_per_step),
            "meta": meta, "model": str(out / "final"),
            "startup": ours.with_gaps([{"at_s": round(meta[k] - t.start, 2), "what": w, "source": "trl_meta.json"} for k, w in (
@@ -214,7 +231,9 @@ def differences(rows: list[dict], peer: dict | None) -> list[str]:
         "assembler and learner; TRL is one process (+ its SQL worker).",
         "Held-out evaluation during training: the recipe evaluates every 10 steps (74 prompts greedy + 4 samples "
         "each); TRL evaluates nothing during training (its eval_strategy is 'no'); the eval_every=0 row removes it.",
-        "RNG: the samples differ (different sampling code and seeds); one seed per side.",
+        "RNG: the samples differ (different sampling code and seeds); "
+        + (f"{len(SEEDS)} RL seeds per side ({', '.join(map(str, SEEDS))}), one warm-started export." if SEEDS != [None]
+           else "one seed per side."),
     ]
     if peer:
         v = peer["meta"]["versions"]
@@ -267,16 +286,26 @@ def main() -> int:
     result: dict = {"steps": STEPS, "smoke": SMOKE, "settings": per_step, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                     "load_before": os.getloadavg(), "cpus": os.cpu_count()}
     result["export"] = make_export(root)
-    rows = [run_ours(root, name, extra, i, samples_per_step) for i, (name, extra) in enumerate(our_variants())]
-    peer = run_trl(root, venv, samples_per_step) if venv is not None else None
-    result["load_after_runs"] = os.getloadavg()
     bird_dir = root / "warm" / "data"
-    for r in rows + ([peer] if peer else []):
-        log(f"launch.eval: {r['name']}")
-        r.update(evaluate(r["model"], bird_dir, out / "eval" / r["side"] / r["name"].split()[0]
-                          if r["side"] == "trl" else out / "eval" / Path(r["model"]).parent.parent.name))
-    text = table.report(rows, peer, differences(rows, peer))
-    result["rows"], result["peer"] = rows, peer
+    runs = []  # one {"seed", "rows", "peer", "load"} per seed
+    for seed in SEEDS:
+        named = [(name + ("" if seed is None else f" (seed {seed})"), extra + seed_overrides(seed))
+                 for name, extra in our_variants()]
+        rows = [run_ours(root, name, extra, i, samples_per_step, seed) for i, (name, extra) in enumerate(named)]
+        peer = run_trl(root, venv, samples_per_step, seed) if venv is not None else None
+        load = os.getloadavg()
+        for r in rows + ([peer] if peer else []):
+            log(f"launch.eval: {r['name']}")
+            r.update(evaluate(r["model"], bird_dir, out / "eval" / f"trl{seed_tag(seed)}"
+                              if r["side"] == "trl" else out / "eval" / Path(r["model"]).parent.parent.name))
+        runs.append({"seed": seed, "rows": rows, "peer": peer, "load_after": load})
+    result["load_after_runs"] = os.getloadavg()
+    rows, peer = runs[0]["rows"], runs[0]["peer"]
+    texts = [table.report(r["rows"], r["peer"], []) for r in runs]
+    if len(runs) > 1:
+        texts.append("Over the seeds (mean, min-max):\n\n" + table.over_seeds(runs))
+    text = "\n\n".join(texts + ["Setup differences that remain:\n" + "\n".join(f"- {d}" for d in differences(rows, peer))])
+    result["rows"], result["peer"], result["seeds"] = rows, peer, runs
     (out / "peers.json").write_text(json.dumps(result, indent=1, default=str))
     md = [text, "", "## Start-up and per-step profile of our run", "", profile_md(rows[0]),
           "", "## The warm-start export run (tiny with its warm start)", "", profile_md(result["export"])]
