@@ -24,7 +24,9 @@ Invariants:
 - Every wait on an actor has a bound: `call_within` (async) and `get_within` (ray.get) end a call that
   did not return in time with `ActorCallTimeout`, one line naming the actor and the call. A frozen
   actor (SIGSTOP, a stuck device, a lost node) is not dead to Ray, so nothing else would end the wait;
-  the launcher treats the timeout as a death (launch/run.py actor_died: relaunch or one line).
+  the launcher treats the timeout as a death (launch/run.py actor_died: relaunch or one line), except
+  for a RESTARTABLE stage the caller restarts in place (`restart_in_place`: Ray kills the frozen
+  process and starts the actor again; its pending messages are taken back by the new instance).
 """
 from __future__ import annotations
 
@@ -91,6 +93,18 @@ def get_within(refs: Any, timeout_s: float, what: str) -> Any:
         return ray.get(refs, timeout=timeout_s)
     except GetTimeoutError:
         raise ActorCallTimeout.of(what, timeout_s) from None
+
+
+def restart_in_place(handle: Any) -> bool:
+    """Kills a frozen RESTARTABLE actor's process so that Ray starts the actor again under the same handle
+    (a SIGSTOPped process is killed all the same). False, and nothing done, where `handle` is not a Ray
+    actor (a plain object in tests)."""
+    if not hasattr(handle, "_actor_id"):
+        return False
+    import ray
+
+    ray.kill(handle, no_restart=False)
+    return True
 
 
 async def call(handle: Any, method: str, *args, **kwargs) -> Any:

@@ -5,7 +5,11 @@ A mixin of `actors.coordinator.coordinator.Coordinator`; it uses the coordinator
 no death notice ends a wait on it: every call here goes through `actors.shell.call_within` with the
 bound `call_bound` gives it, and one past its bound raises ActorCallTimeout, one line naming the actor
 (`generator-<i>`, `learner`, `assembler`) and the method, which the launcher handles as a death
-(launch/run.py actor_died: a relaunch from the latest checkpoint, or that line).
+(launch/run.py actor_died: a relaunch from the latest checkpoint, or that line). A generator is the
+exception: Ray restarts it in place (actors.shell.RESTARTABLE), so one frozen past a control call's bound
+is killed and restarted (`restart_frozen`, actors.shell.restart_in_place) and the call is made once more,
+within the bound plus coordinator.call_timeout_s for the new instance to start; the run goes on
+(heal_generators / the next sync give it the current weights; its pending prompts are taken back).
 
 Invariants:
 - `call_bound` is pure: coordinator.call_timeout_s on top of the wait the call is given itself (a
@@ -14,6 +18,9 @@ Invariants:
 - The learner (actors/learner/group.py LearnerGroup) bounds each rank's call itself and names the rank
   that did not answer; the coordinator's bound on a learner call is GROUP_SLACK_S later, so the group's
   line is the one the user reads.
+- A frozen generator costs one restart in place per call, never more: if the call runs past its bound
+  again on the new instance, that ActorCallTimeout goes to the launcher as before. Every restart is a
+  warning naming the generator and the call, counted in `frozen_restarts` (saved with the cursor).
 - The weight sync's verbs (the learner's send_weights, each generator's receive_weights) are bounded the
   same way (`bounded_verb`) without naming them as strings: the transport calls them as before.
 """
@@ -22,7 +29,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable
 
-from actors.shell import await_within, call_within
+from actors.shell import ActorCallTimeout, await_within, call_within, restart_in_place
 from weights.base import maybe_await
 
 # The learner group's own bound on a rank's call is the same as ours; ours waits this much longer so the
@@ -58,8 +65,21 @@ class BoundedCalls:
     def generator_label(self, g: Any) -> str:
         return next((f"generator-{i}" for i, h in enumerate(self.generators) if h is g), "generator")
 
+    # Kills a frozen generator so that Ray restarts it in place; False where it cannot (a plain object).
+    restart_frozen: Callable[[Any], bool] = staticmethod(restart_in_place)
+
     async def _generator_call(self, g: Any, method: str, *args) -> Any:
-        return await call_within(call_bound(self.cfg, "generator", method), self.generator_label(g), g, method, *args)
+        bound, label = call_bound(self.cfg, "generator", method), self.generator_label(g)
+        try:
+            return await call_within(bound, label, g, method, *args)
+        except ActorCallTimeout as e:
+            if not self.restart_frozen(g):
+                raise
+            self.frozen_restarts = getattr(self, "frozen_restarts", 0) + 1
+            if getattr(self, "log", None) is not None:
+                self.log.warning("generator frozen past its bound: restarted in place", generator=label, call=method,
+                                 error=str(e))
+        return await call_within(bound + self.cfg.coordinator.call_timeout_s, label, g, method, *args)
 
     async def _all_generators(self, method: str, *args, targets: list | None = None) -> list:
         """`method` on every generator (or `targets`) at once, each bounded."""

@@ -40,7 +40,7 @@ class Checkpointing:
         cursor = getattr(self, "_cursor_before", {}).get(step + 1, self.cursor.state())
         state = {"step": step, "version": self.version, "cursor": cursor,
                  "outcomes": count_outcomes(self.ledger.values()), "ledger": self.ledger,
-                 "resyncs": getattr(self, "resyncs", 0)}
+                 "resyncs": getattr(self, "resyncs", 0), "frozen_restarts": getattr(self, "frozen_restarts", 0)}
         write_atomic(path / "coordinator.json", json.dumps(state))
         await self.export_hf(step + 1)
         write_atomic(layout.latest_marker(self.run_dir), path.name)

@@ -13,7 +13,8 @@ take the new weights and resume (parked requests continue under the new weights)
 Invariants:
 - Control calls are awaited in order; a step's handshake never interleaves with another's.
 - Every call to an actor has a bound (actors/coordinator/bounds.py): one past it (a frozen actor) raises
-  ActorCallTimeout naming the actor and the call, and the run ends as on a death (relaunch or one line).
+  ActorCallTimeout naming the actor and the call, and the run ends as on a death (relaunch or one line);
+  a frozen generator is first restarted in place, once a call (bounds.py).
 - Every task the coordinator publishes gets exactly one outcome in the ledger (trained or a
   drop reason), and the per-step counts are in the step's metrics. The ledger is the one record that
   grows with the run; everything else the coordinator holds covers the last few steps (a step's
