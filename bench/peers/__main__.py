@@ -267,6 +267,24 @@ def profile_md(row: dict) -> str:
     return "\n".join(lines)
 
 
+def write_results(out: Path, result: dict, runs: list[dict]) -> str:
+    """peers.json and peers.md from the seeds run so far; returns the table's text."""
+    result["load_after_runs"] = os.getloadavg()
+    rows, peer = runs[0]["rows"], runs[0]["peer"]
+    texts = [table.report(r["rows"], r["peer"], []) for r in runs]
+    if len(runs) > 1:
+        texts.append("Over the seeds (mean, min-max):\n\n" + table.over_seeds(runs))
+    text = "\n\n".join(texts + ["Setup differences that remain:\n" + "\n".join(f"- {d}" for d in differences(rows, peer))])
+    result["rows"], result["peer"], result["seeds"] = rows, peer, runs
+    (out / "peers.json").write_text(json.dumps(result, indent=1, default=str))
+    md = [text, "", "## Start-up and per-step profile of our run", "", profile_md(rows[0]),
+          "", "## The warm-start export run (tiny with its warm start)", "", profile_md(result["export"])]
+    if peer:
+        md += ["", "## TRL's start-up", "", profile_md(peer)]
+    (out / "peers.md").write_text("\n".join(md) + "\n")
+    return text
+
+
 def main() -> int:
     out = Path(os.environ.get("OUT", "") or tempfile.mkdtemp(prefix="arl-peers-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -299,19 +317,7 @@ def main() -> int:
             r.update(evaluate(r["model"], bird_dir, out / "eval" / f"trl{seed_tag(seed)}"
                               if r["side"] == "trl" else out / "eval" / Path(r["model"]).parent.parent.name))
         runs.append({"seed": seed, "rows": rows, "peer": peer, "load_after": load})
-    result["load_after_runs"] = os.getloadavg()
-    rows, peer = runs[0]["rows"], runs[0]["peer"]
-    texts = [table.report(r["rows"], r["peer"], []) for r in runs]
-    if len(runs) > 1:
-        texts.append("Over the seeds (mean, min-max):\n\n" + table.over_seeds(runs))
-    text = "\n\n".join(texts + ["Setup differences that remain:\n" + "\n".join(f"- {d}" for d in differences(rows, peer))])
-    result["rows"], result["peer"], result["seeds"] = rows, peer, runs
-    (out / "peers.json").write_text(json.dumps(result, indent=1, default=str))
-    md = [text, "", "## Start-up and per-step profile of our run", "", profile_md(rows[0]),
-          "", "## The warm-start export run (tiny with its warm start)", "", profile_md(result["export"])]
-    if peer:
-        md += ["", "## TRL's start-up", "", profile_md(peer)]
-    (out / "peers.md").write_text("\n".join(md) + "\n")
+        text = write_results(out, result, runs)  # after every seed: a run cut short keeps the seeds it finished
     print(text)
     print(f"\nfull results: {out / 'peers.json'}\nprofile: {out / 'peers.md'}")
     return 0
