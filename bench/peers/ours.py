@@ -29,8 +29,8 @@ RECIPE = "tiny"
 EXPORT_LR = "1e-30"
 
 
-def launcher(run_root: Path, run_id: str, overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", "launch.cluster", RECIPE, f"run_root={run_root}", f"run_id={run_id}", *overrides]
+def launcher(run_root: Path, run_id: str, overrides: list[str], recipe: str = RECIPE) -> list[str]:
+    return [sys.executable, "-m", "launch.cluster", recipe, f"run_root={run_root}", f"run_id={run_id}", *overrides]
 
 
 def export_command(run_root: Path, sft_steps: int | None = None) -> list[str]:
@@ -67,14 +67,14 @@ def final_export(run_dir: Path) -> Path | None:
     return latest_export(run_dir)
 
 
-def recipe_config(overrides: list[str] | None = None):
+def recipe_config(overrides: list[str] | None = None, recipe: str = RECIPE):
     from config import apply_overrides
     from config.recipes import get_recipe
 
-    return apply_overrides(get_recipe(RECIPE), list(overrides or []))
+    return apply_overrides(get_recipe(recipe), list(overrides or []))
 
 
-def prompts_in_order(run_dir: Path, steps: int, overrides: list[str] | None = None) -> list[dict]:
+def prompts_in_order(run_dir: Path, steps: int, overrides: list[str] | None = None, recipe: str = RECIPE) -> list[dict]:
     """The training prompts our coordinator takes, step by step: the launcher's rendering, the
     coordinator's cursor. One dict per prompt: text, ids, db_path, gold_sql, prompt_id, step."""
     import logging
@@ -84,7 +84,7 @@ def prompts_in_order(run_dir: Path, steps: int, overrides: list[str] | None = No
     from launch.run import load_prompts
     from queues.messages import unpack_ids
 
-    cfg = recipe_config(overrides)
+    cfg = recipe_config(overrides, recipe)
     log = _NullLog(logging.getLogger("bench.peers"))
     items, _ = load_prompts(cfg, str(layout.model_dir(run_dir)), str(layout.data_dir(run_dir)), log)
     cursor = DataCursor(len(items), cfg.data.shuffle_seed)

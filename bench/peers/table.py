@@ -32,10 +32,11 @@ def cell(row: dict, key: str, fmt: str) -> str:
     return text
 
 
-def markdown(rows: list[dict]) -> str:
-    head = "| | " + " | ".join(c[1] for c in COLUMNS) + " |"
-    sep = "| --- | " + " | ".join("---:" for _ in COLUMNS) + " |"
-    body = ["| " + r["name"] + " | " + " | ".join(cell(r, k, f) for k, _, f in COLUMNS) + " |" for r in rows]
+def markdown(rows: list[dict], columns: list[tuple[str, str, str]] | None = None) -> str:
+    columns = COLUMNS if columns is None else columns
+    head = "| | " + " | ".join(c[1] for c in columns) + " |"
+    sep = "| --- | " + " | ".join("---:" for _ in columns) + " |"
+    body = ["| " + r["name"] + " | " + " | ".join(cell(r, k, f) for k, _, f in columns) + " |" for r in rows]
     return "\n".join([head, sep, *body])
 
 
