@@ -78,7 +78,9 @@ def _name(cmd: str) -> str:
     """A process's role: Ray's title (ray::Coordinator), `python <script or module>`, or the executable."""
     words = cmd.split(" ")
     if words[0].startswith("ray::"):
-        return words[0]
+        # ray::<Class>[.<method running>], or ray::<run>:relaunch<k>:<role>:<Class>[.<method>] for a named actor
+        parts = words[0][len("ray::"):].split(".", 1)[0].split(":")
+        return f"ray::{parts[-1]}" + (f" ({parts[-2]})" if len(parts) > 1 else "")
     base = os.path.basename(words[0])
     if base.startswith("python"):
         if "-m" in words[1:-1]:
@@ -91,19 +93,24 @@ def _name(cmd: str) -> str:
 
 
 class RssLog:
-    """Per process of the launcher's tree: its first sample once it is RSS_WARM_S old (as seen here)
-    and after `warm_after`, and its last sample."""
+    """Per process of the launcher's tree (the launcher included): its first sample once it is `warm_s`
+    old (as seen here) and after `warm_after`, and its last sample."""
 
-    def __init__(self):
+    def __init__(self, warm_s: float = RSS_WARM_S):
         self.procs: dict[int, dict] = {}
+        self.warm_s = warm_s
 
     def sample(self, root: int, now: float, warm_after: float) -> None:
-        for pid, cmd in descendants(root).items():
+        try:
+            own = {root: open(f"/proc/{root}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")}
+        except OSError:
+            own = {}
+        for pid, cmd in {**own, **descendants(root)}.items():
             rss = _rss_kb(pid)
             if rss is None:
                 continue
             p = self.procs.setdefault(pid, {"name": _name(cmd), "seen": now, "start_kb": None, "start_t": None})
-            if p["start_kb"] is None and now - p["seen"] >= RSS_WARM_S and now >= warm_after:
+            if p["start_kb"] is None and now - p["seen"] >= self.warm_s and now >= warm_after:
                 p["start_kb"], p["start_t"] = rss, now
             p["end_kb"], p["end_t"] = rss, now
 
@@ -210,8 +217,9 @@ def _kill(launch: Launch, kind: str, rng: random.Random, wait_s: float = 60.0) -
 
 def run_half(name: str, run_root: Path, seconds: float, fault_every: float, rng: random.Random, sft: int,
              per_step: int, eval_every: int, faults: tuple[str, ...] = FAULTS, bag: list[str] | None = None,
-             extra: tuple[str, ...] = ()) -> dict:
-    """One launch for `seconds` under faults; `bag` (shared between halves) holds the kinds still to draw."""
+             extra: tuple[str, ...] = (), rss_warm_s: float = RSS_WARM_S) -> dict:
+    """One launch for `seconds` under faults (none when `faults` is empty: a baseline); `bag` (shared between
+    halves) holds the kinds still to draw."""
     bag = [] if bag is None else bag
     run_id = f"soak-{name}"
     run_dir, log_path = run_root / run_id, run_root / f"{run_id}.log"
@@ -227,7 +235,7 @@ def run_half(name: str, run_root: Path, seconds: float, fault_every: float, rng:
         return result
     started = time.monotonic()
     deadline = started + seconds
-    rss = RssLog()
+    rss = RssLog(rss_warm_s)
     next_rss = 0.0
     progress, progress_t = _progress(run_dir, log_path), time.monotonic()
     next_fault = started + rng.uniform(0.5, 1.5) * fault_every
@@ -256,7 +264,7 @@ def run_half(name: str, run_root: Path, seconds: float, fault_every: float, rng:
         if now >= deadline:
             if open_fault is None or now - open_fault["t"] > hang_s:
                 break
-        elif open_fault is None and now >= next_fault and (run_dir / "checkpoints" / "latest").exists():
+        elif faults and open_fault is None and now >= next_fault and (run_dir / "checkpoints" / "latest").exists():
             # (not before the first checkpoint: a learner or coordinator death then ends the launch, as it
             # has nothing to relaunch from; docs/RELIABILITY.md)
             if not bag:
@@ -373,7 +381,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="both halves together (default $SOAK_MINUTES or 60)")
     p.add_argument("--fault-every", type=float, default=120.0, help="mean seconds between faults")
     p.add_argument("--halves", default="colocated,async")
-    p.add_argument("--faults", default=",".join(FAULTS))
+    p.add_argument("--faults", default=",".join(FAULTS), help="kinds to draw from, or none (a fault-free baseline)")
+    p.add_argument("--rss-warm-s", type=float, default=RSS_WARM_S,
+                   help="a process's RSS start: its first sample this long after it appeared (and after the first step)")
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--sft-steps", type=int, default=300)
     p.add_argument("--eval-every", type=int, default=20)
@@ -387,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     run_root.mkdir(parents=True, exist_ok=True)
     rng = random.Random(a.seed)
     names = a.halves.split(",")
-    faults = tuple(a.faults.split(","))
+    faults = () if a.faults == "none" else tuple(a.faults.split(","))
     unknown = set(names) - set(HALVES) | set(faults) - set(FAULTS)
     if unknown:
         p.error(f"unknown half or fault: {', '.join(sorted(unknown))}")
@@ -396,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     bag: list[str] = []
     for name in names:
         h = run_half(name, run_root, 60 * a.minutes / len(names), a.fault_every, rng, a.sft_steps, a.prompts_per_step,
-                     a.eval_every, faults, bag, tuple(a.override))
+                     a.eval_every, faults, bag, tuple(a.override), a.rss_warm_s)
         halves.append(h)
         print(f"{name}: {json.dumps({k: v for k, v in h.items() if k not in ('injected', 'rss', 'problems')}, default=str)}",
               flush=True)

@@ -213,9 +213,18 @@ def dashboard_available(log=None) -> bool:
 LOCAL_RAY_ATTEMPTS = 3
 
 
+# Ray settings of a cluster we start, unless the user's environment sets them. The GCS keeps the events of
+# the last 100,000 tasks by default, ~3.4 kB each (measured: +68 MB per 20,000 actor calls, flat past the
+# cap): a run's actor calls (~12/s in tiny, every step's handshake and health checks) grew it without end
+# for hours (issue 27's soak: gcs_server +41 % in 30 minutes). 2,000 keeps `ray list tasks` and the
+# dashboard's task view for the last minutes of a run, ~7 MB.
+LOCAL_RAY_ENV = {"RAY_task_events_max_num_task_in_gcs": "2000"}
+
+
 def init_local_ray(log=None, **kwargs) -> None:
     """ray.init(address="local", **kwargs): always a new cluster of our own, never one found through
-    /tmp/ray/ray_current_cluster (another user's or another run's; RAY_ADDRESS joins one). Started again
+    /tmp/ray/ray_current_cluster (another user's or another run's; RAY_ADDRESS joins one), its processes
+    started with LOCAL_RAY_ENV where the environment does not set those variables. Started again
     (after a shutdown) when Ray's fixed 30 s raylet wait ran out, LOCAL_RAY_ATTEMPTS times in all; any
     other error is raised at once. Used by the launcher, launch.serve and the tests' local clusters."""
     import ray
@@ -223,7 +232,8 @@ def init_local_ray(log=None, **kwargs) -> None:
     for attempt in range(1, LOCAL_RAY_ATTEMPTS + 1):
         before = child_pids()
         try:
-            ray.init(address="local", **kwargs)
+            with environ({k: os.environ.get(k, v) for k, v in LOCAL_RAY_ENV.items()}):
+                ray.init(address="local", **kwargs)
             return
         except Exception as e:  # noqa: BLE001 - Ray's fixed 30 s raylet registration wait
             if "timed out during startup" not in str(e) or attempt == LOCAL_RAY_ATTEMPTS:

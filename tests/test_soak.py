@@ -39,3 +39,15 @@ def test_a_short_soak_loses_doubles_and_hangs_nothing(tmp_path):
     for h in halves:  # the run's streams are trimmed: nothing left but what is in flight
         assert h["redis"]["streams"] and all(v["length"] <= 256 for v in h["redis"]["streams"].values()), h["redis"]
     assert rc == 0
+
+
+def test_the_rss_log_names_each_actor_by_its_class_and_role_and_samples_the_launcher_itself():
+    assert soak._name("ray::LearnerShell.train_from_stream") == "ray::LearnerShell"
+    assert soak._name("ray::soak-async:relaunch2:learner-1:LearnerShell.sleep") == "ray::LearnerShell (learner-1)"
+    assert soak._name("/x/.venv/bin/python -m launch.cluster tiny run_id=a") == "python -m launch.cluster"
+    log = soak.RssLog(warm_s=0.0)
+    log.sample(os.getpid(), now=10.0, warm_after=0.0)  # this process stands in for the launcher (the tree's root)
+    log.sample(os.getpid(), now=30.0, warm_after=0.0)
+    mine = log.procs[os.getpid()]
+    assert mine["start_kb"] > 0 and mine["end_t"] == 30.0
+    assert os.getpid() in [p["pid"] for p in log.report(end_t=30.0, min_life_s=10.0)]
