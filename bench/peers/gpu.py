@@ -238,7 +238,9 @@ def notes(cfg) -> list[str]:
         "every group trained (assembler.filter_zero_variance=false, as TRL).",
         f"TRL: vLLM colocate in its own process (sleep mode, the same gpu_memory_utilization), bf16, gradient "
         f"checkpointing {'on' if s['gradient_checkpointing'] else 'off'}, {s['micro_batch']} rows a forward/backward, "
-        "the importance-sampling correction token-truncated at the same cap, AdamW without offload.",
+        "the importance-sampling correction token-truncated at the same cap, its weights and AdamW state in bf16 "
+        "(loaded with dtype=bfloat16; ours: DeepSpeed's bf16 mode), no optimizer offload; its vLLM runs compiled "
+        "with CUDA graphs (TRL has no eager switch), ours eager as the recipe.",
         "End to end: the whole command (start-up, every step, the final save, teardown) divides STEPS x PROMPTS x N "
         "samples; per step: samples over the median time between consecutive steps' ends.",
     ]
