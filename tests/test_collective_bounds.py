@@ -9,7 +9,6 @@ collective left on torch's defaults (30 min) fails the test instead of passing l
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import queue as queue_mod
 import signal
@@ -18,8 +17,10 @@ import time
 
 import pytest
 
+from tests.procs import fresh_processes
+
 BOUND_S = 4.0  # the collective timeout of the process-level tests
-GUARD_S = 4 * BOUND_S + 60  # imports of torch / deepspeed in a spawned process on a busy 2-core machine
+GUARD_S = 4 * BOUND_S + 60  # a fork server's first start (imports of torch / deepspeed) on a busy 2-core machine
 
 
 def _rank_main(rank: int, ports, joins, results) -> None:
@@ -62,14 +63,14 @@ def _rank_main(rank: int, ports, joins, results) -> None:
         results.put(("crash", rank, repr(exc)[:500]))
 
 
-@pytest.mark.slow  # spawned processes importing torch and DeepSpeed: ~30-45 s each on 2 busy cores
+@pytest.mark.slow  # two ranks joining gloo and DeepSpeed worlds: ~10-20 s each on 2 busy cores
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
 def test_a_rank_lost_mid_all_reduce_fails_the_survivors_collectives_within_the_bound(sig):
     """Rank 1 of 2 is SIGKILLed (its sockets close) or SIGSTOPped (alive, silent: a stuck GPU, a lost
     node) while rank 0 all-reduces, on the world group and on a DeepSpeed-made group: rank 0's
     collectives fail, each as a collective failure (what the launcher relaunches on), a hung peer by
     the group's own timeout, which is the bound we set, not torch's 30 min default."""
-    ctx = mp.get_context("spawn")
+    ctx = fresh_processes(__name__)
     # A queue per rank: a process stopped while its queue's feeder thread holds the queue's lock would
     # block the survivor's report on it.
     ports, joins, results = ctx.Queue(), ctx.Barrier(2), [ctx.Queue(), ctx.Queue()]
@@ -153,7 +154,7 @@ def _bound_rank(rank: int, local_host: str, ports, joins, results) -> None:
         results.put(("crash", rank, repr(exc)[:500], None))
 
 
-@pytest.mark.slow  # two spawned processes importing torch: ~20-40 s on 2 busy cores
+@pytest.mark.slow  # two processes joining a gloo world (~1 s once the fork server is up)
 @pytest.mark.parametrize("where", ["loopback", "node address"])
 def test_gloo_binds_the_address_it_is_given_not_what_the_host_name_resolves_to(where):
     """A learner world's gloo sockets sit on loopback (one node) or on the node's address (several
@@ -162,7 +163,7 @@ def test_gloo_binds_the_address_it_is_given_not_what_the_host_name_resolves_to(w
     local_host = "127.0.0.1" if where == "loopback" else _non_loopback_ipv4()
     if local_host is None:
         pytest.skip("this host has no address besides loopback")
-    ctx = mp.get_context("spawn")
+    ctx = fresh_processes(__name__)
     ports, joins, results = ctx.Queue(), ctx.Barrier(2), ctx.Queue()
     procs = [ctx.Process(target=_bound_rank, args=(r, local_host, ports, joins, results), daemon=True) for r in (0, 1)]
     for p in procs:
@@ -213,7 +214,7 @@ def test_a_receiver_lost_mid_broadcast_fails_the_send_within_the_bound(sig):
     import weights as ws
     from tests.test_weight_sync import BUCKET_MB, make_weights
 
-    ctx = mp.get_context("spawn")
+    ctx = fresh_processes(__name__)
     rdv_queue, events = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_receiver_stalls_mid_sync, args=(rdv_queue, events), daemon=True)
     proc.start()
