@@ -210,7 +210,9 @@ def dashboard_available(log=None) -> bool:
 
 # Ray waits a fixed 30 s for its raylet to register (ray/_private/node.py); on a loaded machine (seen at
 # load average ~35 on 2 cores) that wait runs out and ray.init raises. A local start is tried this often.
-LOCAL_RAY_ATTEMPTS = 3
+# Ray's raylet must register within a fixed 30 s (ray/_private/node.py, no setting); a start on a machine at
+# load ~40 missed it three times in a row (2026-12-04 22:33-22:35 UTC, the README's tiny on the shared 2 cores).
+LOCAL_RAY_ATTEMPTS = 5
 
 
 # Ray settings of a cluster we start, unless the user's environment sets them. The GCS keeps the events of
