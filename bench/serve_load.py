@@ -14,12 +14,14 @@ answered). An ordinary client asks, in turn: POST /v1/sql (execute), POST /v1/ch
 tenth; at least one) sends, in turn, every entry of bench.hostile.HOSTILE_SQL to /v1/execute (endless
 recursive CTEs, writes, stacked statements, ATTACH, a 5 M-row result, a ~100 kB query) and malformed
 requests (a body over the cap, an over-long question, max_turns out of range, bad JSON, an unknown
-database, a streamed chat completion). The probe GETs /healthz every 0.25 s.
+database, a streamed chat completion). The probe, a process of its own (as a load balancer's is), GETs
+/healthz every 0.25 s.
 
 Reported (JSON and markdown): per route, requests, p50 / p99 / max latency and status counts; every
 5xx and every client-side error (a timeout or a dropped connection counts as one: nothing is allowed to
-hang); the hostile clients' statuses and verdicts by kind; /healthz's p50 / p99 / max under the load,
-and its p50 / max on the idle service just before (what the machine's own load costs it). The verdict the
+hang); the hostile clients' statuses and verdicts by kind; /healthz's p50 / p99 / max under the load (and
+how many answers took over 100 ms), its p50 / max on the idle service just before (what the machine's own
+load costs it), and the proxy's own /-/healthz beside it (no replica: the floor for any route). The verdict the
 bench gives (exit 0): no 5xx, no client error, each hostile request answered with a 4xx or a 200 whose
 verdict is not "ok" (the sandbox refused it or cut it short).
 """
@@ -27,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -129,17 +133,30 @@ async def _client(http, reqs, hostile: bool, stop_at: float, tally: Tally, offse
             h[key] = h.get(key, 0) + 1
 
 
-async def _probe(http, stop_at: float, out: list[float], failures: list[str]) -> None:
-    while time.monotonic() < stop_at:
-        t = time.perf_counter()
-        try:
-            r = await http.get("/healthz")
-            if r.status_code != 200:
-                failures.append(f"/healthz {r.status_code}")
-        except Exception as e:  # noqa: BLE001
-            failures.append(f"/healthz {type(e).__name__}")
-        out.append(time.perf_counter() - t)
-        await asyncio.sleep(HEALTHZ_EVERY_S)
+def _probe(url: str, idle_until: float, stop_at: float, out) -> None:
+    """GET /healthz every HEALTHZ_EVERY_S until `stop_at` (time.monotonic(), the same clock in every
+    process), in a process of its own as a load balancer's or kubelet's probe is: the load generator's
+    event loop is not in its latency. Each tick also GETs Ray Serve's proxy's own `/-/healthz` (answered
+    in the proxy, no replica: the floor this machine gives any route). Puts ({"idle": [s], "load": [s],
+    "proxy_idle": [s], "proxy_load": [s]}, failures) on `out`."""
+    import httpx
+
+    lat: dict[str, list[float]] = {"idle": [], "load": [], "proxy_idle": [], "proxy_load": []}
+    failures: list[str] = []
+    with httpx.Client(base_url=url, timeout=CLIENT_TIMEOUT_S) as http:
+        while time.monotonic() < stop_at:
+            phase = "idle" if time.monotonic() < idle_until else "load"
+            for path, key in (("/healthz", phase), ("/-/healthz", f"proxy_{phase}")):
+                t = time.perf_counter()
+                try:
+                    r = http.get(path)
+                    if r.status_code != 200:
+                        failures.append(f"{path} {r.status_code}")
+                except Exception as e:  # noqa: BLE001
+                    failures.append(f"{path} {type(e).__name__}")
+                lat[key].append(time.perf_counter() - t)
+            time.sleep(HEALTHZ_EVERY_S)
+    out.put((lat, failures))
 
 
 async def load(url: str, questions, clients: int, seconds: float, hostile_fraction: float = HOSTILE_FRACTION) -> dict:
@@ -148,20 +165,27 @@ async def load(url: str, questions, clients: int, seconds: float, hostile_fracti
     db = questions[0].db_id
     n_hostile = max(1, round(clients * hostile_fraction))
     ordinary, hostile = ordinary_requests(questions), hostile_requests(db)
-    tally, healthz, health_fail = Tally(), [], []
+    tally = Tally()
     limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
-    idle: list[float] = []
-    async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S, limits=limits) as http, \
-            httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S) as probe_http:
-        # /healthz of the idle service first: what the machine alone costs it (a shared machine's load)
-        await _probe(probe_http, time.monotonic() + min(10.0, seconds / 4), idle, health_fail)
-        stop_at = time.monotonic() + seconds
+    # /healthz of the idle service first: what the machine alone costs it (a shared machine's load)
+    idle_until = time.monotonic() + min(10.0, seconds / 4)
+    stop_at = idle_until + seconds
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    prober = ctx.Process(target=_probe, args=(url, idle_until, stop_at, out), daemon=True)
+    prober.start()
+    async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S, limits=limits) as http:
+        await asyncio.sleep(max(0.0, idle_until - time.monotonic()))
         start = time.perf_counter()
-        await asyncio.gather(
-            _probe(probe_http, stop_at, healthz, health_fail),
-            *(_client(http, hostile if c < n_hostile else ordinary, c < n_hostile, stop_at, tally, 7 * c)
-              for c in range(clients)))
+        await asyncio.gather(*(_client(http, hostile if c < n_hostile else ordinary, c < n_hostile, stop_at, tally, 7 * c)
+                               for c in range(clients)))
         wall = time.perf_counter() - start
+    try:
+        lat, health_fail = out.get(timeout=CLIENT_TIMEOUT_S + 60)  # its last request is bounded too
+    except queue.Empty:
+        lat, health_fail = {}, ["the /healthz probe process gave no result"]
+    prober.join(10)
+    idle, healthz, proxy = lat.get("idle", []), lat.get("load", []), lat.get("proxy_load", [])
     routes = {}
     for route, lat in sorted(tally.lat.items()):
         routes[route] = {"n": len(lat), "p50_ms": round(1000 * percentile(lat, 0.5)), "p99_ms": round(1000 * percentile(lat, 0.99)),
@@ -175,7 +199,11 @@ async def load(url: str, questions, clients: int, seconds: float, hostile_fracti
                         "p99_ms": round(1000 * percentile(healthz, 0.99), 1) if healthz else None,
                         "max_ms": round(1000 * max(healthz), 1) if healthz else None, "failures": health_fail,
                         "idle_p50_ms": round(1000 * percentile(idle, 0.5), 1) if idle else None,
-                        "idle_max_ms": round(1000 * max(idle), 1) if idle else None}}
+                        "idle_max_ms": round(1000 * max(idle), 1) if idle else None,
+                        "over_100ms": sum(x > 0.1 for x in healthz),
+                        "proxy_p50_ms": round(1000 * percentile(proxy, 0.5), 1) if proxy else None,
+                        "proxy_p99_ms": round(1000 * percentile(proxy, 0.99), 1) if proxy else None,
+                        "proxy_max_ms": round(1000 * max(proxy), 1) if proxy else None}}
 
 
 class Service:
@@ -230,12 +258,14 @@ def markdown(results: list[dict]) -> str:
             st = ", ".join(f"{k}: {n}" for k, n in sorted(v["status"].items()))
             out.append(f"| {r['replicas']} | {route} | {v['n']} | {v['p50_ms']} | {v['p99_ms']} | {v['max_ms']} | {st} |")
     out += ["", "| replicas | clients (hostile) | seconds | requests/s | 5xx | client errors | /healthz p50 / p99 / max ms |"
-            " /healthz idle p50 / max ms |", "|---|---|---|---|---|---|---|---|"]
+            " /healthz over 100 ms | /healthz idle p50 / max ms | proxy's /-/healthz p50 / p99 / max ms |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         h = r["healthz"]
         out.append(f"| {r['replicas']} | {r['clients']} ({r['hostile_clients']}) | {r['seconds']} | {r['rps']} | "
                    f"{len(r['server_errors'])} | {len(r['client_errors'])} | {h['p50_ms']} / {h['p99_ms']} / {h['max_ms']} |"
-                   f" {h['idle_p50_ms']} / {h['idle_max_ms']} |")
+                   f" {h.get('over_100ms')} of {h['n']} | {h['idle_p50_ms']} / {h['idle_max_ms']} |"
+                   f" {h.get('proxy_p50_ms')} / {h.get('proxy_p99_ms')} / {h.get('proxy_max_ms')} |")
     out += ["", "| replicas | hostile request | answers (status verdict: count) |", "|---|---|---|"]
     for r in results:
         for kind, counts in sorted(r["hostile"].items()):

@@ -105,14 +105,13 @@ def test_healthz_verdict_fresh_stale_missing_and_no_running_replica():
     assert code == 503 and "STARTING: 1, STOPPING: 1" in body["error"] and "health check failed" in body["error"]
 
 
-def test_summarize_reads_serve_status_objects():
-    from ray.serve._private.common import DeploymentStatus, DeploymentStatusTrigger, ReplicaState
-    from ray.serve.schema import ApplicationStatus, ApplicationStatusOverview, DeploymentStatusOverview, ServeStatus
+def test_summarize_reads_the_controllers_details():
+    """The dict the controller sends (Ray Serve's REST schema), with enum members or their values."""
+    from ray.serve._private.common import ReplicaState
 
-    dep = DeploymentStatusOverview(status=DeploymentStatus.HEALTHY, status_trigger=DeploymentStatusTrigger.UNSPECIFIED,
-                                   replica_states={ReplicaState.RUNNING: 1, ReplicaState.STARTING: 0}, message="")
-    status = ServeStatus(applications={"arl-sql": ApplicationStatusOverview(
-        status=ApplicationStatus.RUNNING, message="", last_deployed_time_s=0.0, deployments={"SqlService": dep})})
-    assert summarize(status, "arl-sql", "SqlService") == {"app": "RUNNING", "deployment": "HEALTHY",
-                                                          "replicas": {"RUNNING": 1}, "message": ""}
-    assert summarize(status, "other", "SqlService") is None and summarize(ServeStatus(), "arl-sql", "SqlService") is None
+    details = {"applications": {"arl-sql": {"status": "RUNNING", "message": "", "deployments": {"SqlService": {
+        "status": "HEALTHY", "message": "", "replicas": [{"state": ReplicaState.RUNNING}, {"state": "STARTING"}]}}}}}
+    assert summarize(details, "arl-sql", "SqlService") == {"app": "RUNNING", "deployment": "HEALTHY",
+                                                           "replicas": {"RUNNING": 1, "STARTING": 1}, "message": ""}
+    assert summarize(details, "other", "SqlService") is None and summarize({}, "arl-sql", "SqlService") is None
+    assert summarize(details, "arl-sql", "Other") is None
