@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import multiprocessing
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -52,10 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.bird import load_split
     from tests.tiny_export import build
 
-    model, bird = build(Path(tempfile.mkdtemp(prefix="arl-serve-hop-")))
+    work, ray_dir = tempfile.mkdtemp(prefix="arl-serve-hop-"), tempfile.mkdtemp(prefix="ray-serve-hop-")
+    model, bird = build(Path(work))
     os.environ["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
-    init_local_ray(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ray-serve-hop-"),
-                   log_to_driver=False)
+    init_local_ray(num_cpus=2, include_dashboard=False, _temp_dir=ray_dir, log_to_driver=False)
     try:
         opts = ServeOptions(model=str(model), bird_dir=str(bird), engine="transformers", device="cpu",
                             health_poll_s=a.poll_s, health_max_age_s=max(15.0, 10 * a.poll_s))
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         serve.shutdown()
         ray.shutdown()
+        for d in (work, ray_dir):  # the export and Ray's temp dir go with the run
+            shutil.rmtree(d, ignore_errors=True)
     return 0
 
 
