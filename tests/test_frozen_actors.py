@@ -188,8 +188,9 @@ def test_a_generator_frozen_mid_run_is_restarted_in_place_and_the_run_ends_whole
     from bench.chaos import Launch, _common, _wait_log, _wait_rows, find_pids, rows, verify
 
     # call_timeout_s: above the slowest healthy call of tiny on a machine at load ~30 (a checkpoint save,
-    # a few seconds idle); step_timeout_s: above its slowest healthy generation.
-    steps, per_step, call_s, pause_s, step_s = 6, 8, 30, 5, 90
+    # a few seconds idle); step_timeout_s: above its slowest healthy generation (8 prompts: 1-3 s at
+    # load ~20), and what the frozen step waits before the sleep call that names the generator.
+    steps, per_step, call_s, pause_s, step_s = 6, 8, 30, 5, 45
     run_id = "frozen-generator"
     run_dir, log = tmp_path / run_id, tmp_path / "launch.log"
     launch = Launch(_common(tmp_path, run_id, steps, 25, per_step) + [
