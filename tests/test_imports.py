@@ -146,12 +146,13 @@ def test_the_light_actors_import_no_torch():
 def test_the_launchers_modules_import_no_torch():
     """The launcher lives as long as the run: its own modules import no torch, transformers or DeepSpeed (the
     inputs that need them are built in a child process, launch/inputs.py; tests/test_tiny_e2e.py checks a
-    whole run's launcher, through its `run finished` line)."""
+    whole run's launcher, through its `run finished` line), nor does the learner group's rendezvous
+    (actors.learner.world: the launcher joins a world of several ranks through world_hosts)."""
     import subprocess
     import sys
 
     code = ("import sys; import launch.cluster, launch.run, launch.place, launch.inputs, launch.warm_start, "
-            "launch.startup_memory, launch.progress, launch.export; "
+            "launch.startup_memory, launch.progress, launch.export, actors.learner.world; "
             "print(sorted(m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

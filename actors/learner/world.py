@@ -12,6 +12,8 @@ Invariants:
 - `is_collective_failure` names what the launcher relaunches on besides a dead actor: a collective
   that failed on a peer (gloo's transport errors, torch's DistError), since the world cannot go on.
 - The store listens on this node's address alone, on a free port.
+- Importing this module imports no torch (the launcher calls `world_hosts` when a learner group of
+  several ranks joins; torch and weights.broadcast are imported inside the functions that run in a rank).
 - Gloo binds what the caller names, never what the host name resolves to (gloo's default, loopback on
   some hosts and a public interface on others): `local_host` is loopback when every rank runs on one
   node (the group decides: `world_hosts`) and the node address Ray reports otherwise; every gloo group
@@ -24,8 +26,6 @@ from __future__ import annotations
 import datetime
 import os
 from typing import Any
-
-from weights.broadcast import nccl_async_error_handling
 
 
 def bind_store(world_size: int, timeout_s: float, host: str | None = None):
@@ -100,6 +100,8 @@ def init_world(rank: int, world_size: int, backend: str, timeout_s: float, store
 def init_bounded(backend: str, timeout_s: float, **kwargs) -> None:
     """dist.init_process_group with `timeout_s`, after making it every later group's default too."""
     import torch.distributed as dist
+
+    from weights.broadcast import nccl_async_error_handling
 
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "nccl":
