@@ -41,20 +41,24 @@ def held_out(run_dir) -> list[dict]:
 
 
 CLIMB_STEPS = 24
-CLIMB = ("coordinator.prompts_per_step=16", f"coordinator.eval_every={CLIMB_STEPS}", "data.eval_samples=8")
+# The control learns nothing at lr 1e-9 whatever its length: 4 steps (4 weight syncs) show that the
+# evaluation after steps and syncs is the evaluation before them, at a sixth of the learning run's steps.
+CONTROL_STEPS = 4
+CLIMB = ("coordinator.prompts_per_step=16", "data.eval_samples=8")
 
 
 @pytest.fixture(scope="module")
 def climb(tmp_path_factory):
     """The tiny recipe shortened to 24 GRPO steps (16 prompts, lr 1e-3) after its 300 warm-start steps,
     evaluated on every held-out prompt (greedy and 8 samples) before and after training, and the same
-    run with lr 1e-9 (the control: the same warm start, same sampling, no learning). Shared by the
-    tests below."""
+    run with lr 1e-9 for 4 steps (the control: the same warm start, same sampling, same evaluations,
+    no learning). Shared by the tests below."""
     root = tmp_path_factory.mktemp("tiny")
     runs = {}
-    for name, lr in (("learn", "1e-3"), ("control", "1e-9")):
-        steps = run_tiny(root, name, *CLIMB, f"learner.lr={lr}", steps=CLIMB_STEPS, sft_steps=300)
-        runs[name] = (root / name, steps)
+    for name, lr, steps in (("learn", "1e-3", CLIMB_STEPS), ("control", "1e-9", CONTROL_STEPS)):
+        rows = run_tiny(root, name, *CLIMB, f"coordinator.eval_every={steps}", f"learner.lr={lr}", steps=steps,
+                        sft_steps=300)
+        runs[name] = (root / name, rows)
     return runs
 
 
@@ -73,17 +77,17 @@ def test_tiny_run_accounts_for_every_prompt(climb):
 def test_tiny_grpo_raises_the_held_out_reward_and_a_zero_lr_does_not(climb):
     """GRPO learns what generalises: on every held-out prompt (69-78: databases and question texts
     never trained on, tasks/synthetic.py) the sampled reward after 24 steps is above the warm start's
-    by more than 0.1 and the greedy accuracy too, while the same run at lr 1e-9 stays within 0.1 (its
-    greedy answers do not move). Measured 2026-12-03 (after minus before, 2-core CPU, load 0.7-1.0):
+    by more than 0.1 and the greedy accuracy too, while the same run at lr 1e-9 (4 steps: its model does
+    not move however long it runs) stays within 0.1 (its greedy answers do not move). Measured 2026-12-03 (after minus before, 2-core CPU, load 0.7-1.0):
     learning +0.206 reward (0.182 -> 0.388, 8 samples per prompt) and +0.324 greedy accuracy (0.149 ->
     0.473); control +0.001 reward (0.181 -> 0.182) and +0.000 greedy; again at load 1-4.7: +0.215 and
     +0.337 against -0.001 and +0.000. Both runs take 341 s together
     (~80 s of each is its warm start). With 14 steps and 4 samples the learning run rose +0.153 and
     +0.119 and the control +0.004 and -0.051: too close, hence 24 steps and 8 samples."""
     rises = {}
-    for name, (run_dir, _) in climb.items():
+    for name, (run_dir, rows) in climb.items():
         evals = held_out(run_dir)
-        assert [r["step"] for r in evals] == [-1, CLIMB_STEPS - 1], evals
+        assert [r["step"] for r in evals] == [-1, len(rows) - 1], evals
         rises[name] = {k: evals[-1][k] - evals[0][k] for k in ("eval_reward_mean", "eval_accuracy")}
     # Same data, model and warm start in both runs (the same greedy answers before training): only the lr differs.
     first = [held_out(run_dir)[0] for run_dir, _ in climb.values()]
