@@ -96,16 +96,21 @@ def test_tiny_grpo_raises_the_held_out_reward_and_a_zero_lr_does_not(climb):
     assert rises["learn"]["eval_accuracy"] > 0.1 and abs(rises["control"]["eval_accuracy"]) < 0.05, rises
 
 
-def test_tiny_async_mode_with_replacement_prompts_and_broadcast_weight_sync(tmp_path):
+def test_tiny_async_mode_with_replacement_prompts_and_broadcast_weight_sync_from_two_zero3_ranks(tmp_path):
     """Async (generation one version ahead) plus top-up of filtered prompts: still one outcome each.
     Weights travel by broadcast in a private group (coordinator.weight_sync=nccl: gloo on CPU),
-    the disaggregated combination: the group is built once and every step's sync reaches it."""
+    the disaggregated combination: the group is built once and every step's sync reaches it. The
+    learner is two ranks at ZeRO-3 (each holds half of every parameter: both gather each module for
+    rank 0's broadcast), checked as tests/test_learner_ranks.py checks a two-rank run."""
+    from tests.test_learner_ranks import check_two_rank_run
+
     # The fixed pool of 8 after 25 warm-start steps: most groups have reward variance, so every
     # step trains (8 of 10-13 here) and a few filtered ones are replaced. Over the whole training
     # split 20 warm-start steps leave 1 of 24 groups trainable, and a step that trains none is
     # (correctly) skipped without a sync: CI saw that once.
     steps = run_tiny(tmp_path, "async", "data.limit=8", "coordinator.mode=async", "assembler.max_staleness=1",
-                     "assembler.replace_filtered=true", "coordinator.weight_sync=nccl", sft_steps=25)
+                     "assembler.replace_filtered=true", "coordinator.weight_sync=nccl", "learner.num_ranks=2",
+                     "learner.num_cpus=0.25", "learner.zero_stage=3", sft_steps=25)
     for r in steps:
         assert r["prompts"] == sum(r.get(f"prompts_{k}", 0) for k in OUTCOMES) == 8 + r["prompts_replacement"], r
         assert r.get("time_generator_sleep") is None  # async mode never sleeps the engines
@@ -121,6 +126,7 @@ def test_tiny_async_mode_with_replacement_prompts_and_broadcast_weight_sync(tmp_
     log = [json.loads(line) for line in (tmp_path / "async" / "logs" / "coordinator.jsonl").read_text().splitlines()]
     groups = [e for e in log if e["event"] == "weight-sync group built"]
     assert [(g["backend"], g["world_size"]) for g in groups] == [("gloo", 2)]  # once, for the warm start's sync
+    check_two_rank_run(tmp_path / "async", steps)
 
 
 def test_tiny_step_with_no_trainable_group_is_skipped_without_a_sync(tmp_path):
