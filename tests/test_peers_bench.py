@@ -99,11 +99,10 @@ def test_run_tree_sums_the_whole_tree_and_sees_every_process(tmp_path):
 
 
 def test_run_tree_ends_the_whole_tree_at_its_timeout(tmp_path):
-    parent = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']);"
-              " print(p.pid, flush=True); time.sleep(600)")
-    # The parent must have started its child and printed its pid before the timeout: two interpreter
-    # starts, which took more than 15 s at load 30+ on 2 cores; 45 s (the test waits it out whole).
-    res = run_tree([sys.executable, "-c", parent], log_path=tmp_path / "log", interval_s=0.1, timeout_s=45)
+    # The parent (a shell) starts its child and prints its pid before the timeout: no interpreter starts
+    # (two Python ones took more than 15 s at load 30+ on 2 cores), so 10 s (the test waits it out whole).
+    parent = "sleep 600 & echo $!; sleep 600"
+    res = run_tree(["sh", "-c", parent], log_path=tmp_path / "log", interval_s=0.1, timeout_s=10)
     assert res.timed_out and res.rc != 0
     printed = (tmp_path / "log").read_text().split()
     assert printed, "the parent did not start its child within the timeout: nothing to check"
