@@ -28,9 +28,11 @@ longer than the longest configured bound (max(BOUNDS)); the half ends there and 
 
 Reported per half and overall (JSON, and a markdown table): faults by kind, lost, doubled, hangs,
 recovery (kill -> next completed step) p50/max by kind and for relaunches (learner, coordinator), RSS of
-every process that lived through the half at its start (its first sample at least RSS_WARM_S after the
-first step) and end (growth must be <= 10 %), Redis memory and stream lengths at the end, and the
-held-out greedy accuracy at the first and last evaluation.
+every process of the launcher's tree (the launcher included) that lived through the half at its start
+(its first sample at least --rss-warm-s, default RSS_WARM_S, after it appeared and after the first step)
+and end (growth must be <= 10 %), Redis memory and stream lengths at the end, and the held-out greedy
+accuracy at the first and last evaluation. `--faults none` runs the same halves without faults: a
+baseline in which every actor lives the whole half.
 """
 from __future__ import annotations
 
