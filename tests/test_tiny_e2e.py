@@ -78,11 +78,14 @@ def test_tiny_grpo_raises_the_held_out_reward_and_a_zero_lr_does_not(climb):
     """GRPO learns what generalises: on every held-out prompt (69-78: databases and question texts
     never trained on, tasks/synthetic.py) the sampled reward after 24 steps is above the warm start's
     by more than 0.1 and the greedy accuracy too, while the same run at lr 1e-9 (4 steps: its model does
-    not move however long it runs) stays within 0.1 (its greedy answers do not move). Measured 2026-12-03 (after minus before, 2-core CPU, load 0.7-1.0):
+    not move however long it runs) stays within 0.1 (its greedy answers do not move). Measured
+    2026-12-03 (after minus before, 2-core CPU, load 0.7-1.0):
     learning +0.206 reward (0.182 -> 0.388, 8 samples per prompt) and +0.324 greedy accuracy (0.149 ->
     0.473); control +0.001 reward (0.181 -> 0.182) and +0.000 greedy; again at load 1-4.7: +0.215 and
-    +0.337 against -0.001 and +0.000. Both runs take 341 s together
-    (~80 s of each is its warm start). With 14 steps and 4 samples the learning run rose +0.153 and
+    +0.337 against -0.001 and +0.000. Both runs took 341 s together with a 24-step control
+    (~80 s of each is its warm start); the control alone, 2026-12-04 at load ~9: 189 s with 24 steps
+    (-0.002 reward, +0.000 greedy), 143 s with 4 (-0.045, +0.000: the sampled reward's noise, the same
+    whatever the length). With 14 steps and 4 samples the learning run rose +0.153 and
     +0.119 and the control +0.004 and -0.051: too close, hence 24 steps and 8 samples."""
     rises = {}
     for name, (run_dir, rows) in climb.items():
