@@ -220,7 +220,10 @@ LOCAL_RAY_ATTEMPTS = 5
 # cap): a run's actor calls (~12/s in tiny, every step's handshake and health checks) grew it without end
 # for hours (issue 27's soak: gcs_server +41 % in 30 minutes). 2,000 keeps `ray list tasks` and the
 # dashboard's task view for the last minutes of a run, ~7 MB.
-LOCAL_RAY_ENV = {"RAY_task_events_max_num_task_in_gcs": "2000"}
+# RAY_worker_niceness: Ray starts its workers (every actor of ours) 15 nice levels below the raylet otherwise,
+# so on a shared machine the whole run yielded to any other work (checked: launcher nice 5 -> actor nice 19;
+# with 0 the actors run at the launcher's priority).
+LOCAL_RAY_ENV = {"RAY_task_events_max_num_task_in_gcs": "2000", "RAY_worker_niceness": "0"}
 
 
 def init_local_ray(log=None, **kwargs) -> None:
@@ -293,10 +296,8 @@ def start_ray(cfg: RunConfig, run_dir: Path, log) -> None:
     local cluster inherits it from this process instead: a runtime_env sends every worker through Ray's
     runtime-env agent (setup_worker.py) before it starts, ~13 s to the five actors on the loaded 2 cores
     (docs/perf/peers.md), for variables a local raylet's workers inherit anyway. The dashboard of a local
-    cluster is cluster.dashboard (and off when ray[default]'s modules are missing). A local cluster's actors run
-    at the launcher's own priority: Ray starts its workers 15 nice levels below the raylet unless
-    RAY_worker_niceness says otherwise, which on a shared machine starved every actor of ours behind any other
-    work (a tiny run at load ~40 took 13-26 minutes against 3.5); $RAY_worker_niceness, when set, is kept."""
+    cluster is cluster.dashboard (and off when ray[default]'s modules are missing); its settings (LOCAL_RAY_ENV:
+    the actors at the launcher's own priority, a capped GCS task history) are init_local_ray's."""
     import ray
 
     from ray._private.utils import get_num_cpus as host_cpus
@@ -308,8 +309,7 @@ def start_ray(cfg: RunConfig, run_dir: Path, log) -> None:
         ray.init(address=address, runtime_env={"env_vars": run_env()}, log_to_driver=False)
     else:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        with ray_on_loopback(cfg.cluster.ray_loopback), \
-                environ({**run_env(), "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0")}):
+        with ray_on_loopback(cfg.cluster.ray_loopback), environ(run_env()):
             init_local_ray(log, num_cpus=cfg.cluster.num_cpus or local_num_cpus(make_placement(cfg), host_cpus()),
                            num_gpus=cfg.cluster.gpus_per_node or None,
                            include_dashboard=cfg.cluster.dashboard and dashboard_available(log),
