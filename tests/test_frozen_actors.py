@@ -101,6 +101,43 @@ async def test_fake_frozen_generator_is_restarted_in_place_once_per_call():
     assert restarted == [gens[1], gens[1]] and coord.frozen_restarts == 2
 
 
+async def test_fake_restarted_generator_is_resynced_during_an_evaluation():
+    """A generator Ray restarted serves nothing until it has the current weights. An evaluation waits for its
+    groups as a step does, resyncing restarted generators meanwhile (heal_generators), instead of waiting its
+    whole collect_eval timeout, twice, for groups that are never made (the soak's async hang). Stand-ins
+    (fake): the restarted lone generator makes the evaluation's groups once healed; the assembler answers
+    once they all exist."""
+    from types import SimpleNamespace
+
+    from actors.coordinator.coordinator import Coordinator
+
+    cfg = _cfg("coordinator.step_timeout_s=60", "data.eval_samples=2")
+    item = SimpleNamespace(prompt_id="p0", prompt_tokens=b"", db_id="d", db_path="/x", gold_sql="SELECT 1",
+                           difficulty="simple")
+    coord = Coordinator(cfg, RunContext(run_id="heal"), [], [item], generators=[], learner=None, assembler=None)
+    published, heals = [], []
+
+    async def publish(tasks):
+        published.extend(t.task_id for t in tasks)
+        return [t.task_id for t in tasks]
+
+    async def heal(timeout_s=2.0):
+        heals.append(1)
+        for t in published:  # healed: the generator makes the groups it was waiting to make
+            coord._generated[t] = 0.0
+        coord._event_arrived.set()
+        return 1
+
+    async def assembler(method, ids, timeout):
+        assert all(t in coord._generated for t in ids), "collect_eval called before the groups existed"
+        return {"eval_accuracy": 0.5, "eval_reward_mean": 0.25, "eval_sample_accuracy": 0.25}
+
+    coord._publish, coord.heal_generators, coord._assembler = publish, heal, assembler
+    coord._check_events, coord._event_arrived = (lambda: None), asyncio.Event()  # the events consumer's (fake)
+    result = await coord._eval()
+    assert heals and result["eval_accuracy"] == 0.5 and result["eval_reward_mean"] == 0.25
+
+
 async def test_an_error_of_the_call_itself_passes_as_is_even_a_timeout_error():
     class Learner:
         async def train_from_stream(self, step):

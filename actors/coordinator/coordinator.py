@@ -180,6 +180,10 @@ class Coordinator(BoundedCalls, WeightSyncHandshake, Checkpointing):
         sampled_ids = []
         if self.cfg.data.eval_samples > 0:  # held-out reward at the training temperature
             sampled_ids = await self._publish(tasks("s", self.cfg.data.eval_samples, {}))
+        # Wait as a step does (_wait_generated resyncs a generator Ray restarted meanwhile, which serves
+        # nothing until it has the current weights): collect_eval alone would wait its whole timeout, twice,
+        # for groups a restarted lone generator never makes (the soak's async hangs, 2026-12-04).
+        await self._wait_generated(greedy_ids + sampled_ids, timeout)
         greedy = await self._assembler("collect_eval", greedy_ids, timeout)
         result = {k: v for k, v in greedy.items() if k not in ("eval_reward_mean", "eval_sample_accuracy")}
         if sampled_ids:
