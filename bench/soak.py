@@ -24,7 +24,7 @@ At the end of a half the soak reads Redis (memory, every stream's length and pen
 streams are trimmed once acked), takes a last RSS sample and stops the launcher with SIGTERM (its
 Ctrl-C path). Then, from the latest checkpoint and metrics.jsonl (bench.chaos.verify): prompts lost and
 doubled over every checkpointed step. A hang is no progress (a new metrics row or a relaunch line) for
-longer than the longest configured bound (max(BOUNDS)); the half ends there and says so.
+longer than the longest configured bound plus a relaunch (max(BOUNDS) + RELAUNCH_S); the half ends there and says so.
 
 Reported per half and overall (JSON, and a markdown table): faults by kind, lost, doubled, hangs,
 recovery (kill -> next completed step) p50/max by kind and for relaunches (learner, coordinator), RSS of
@@ -53,9 +53,13 @@ from bench.hostile import HOSTILE_SQL, huge_text
 
 FAULTS = ("generator", "scorer", "assembler", "learner", "coordinator", "redis", "hostile")
 RELAUNCHING = ("learner", "coordinator")  # the launcher itself restarts every actor from the checkpoint
-# Every bound of the run the soak sets (seconds). A hang is no progress for longer than the longest.
+# Every bound of the run the soak sets (seconds), coordinator.call_timeout_s included: left at its 1,800 s,
+# a call stuck on a restarted actor outlived the hang detector with nothing to show (the 21:48 hour, async
+# half). A hang is no progress for longer than the longest bound plus RELAUNCH_S (what ends the longest
+# wait, a relaunch, takes time of its own: a bound equal to the detector's raced it).
 BOUNDS = {"learner.collective_timeout_s": 60, "generator.pause_timeout_s": 60, "coordinator.step_timeout_s": 300,
-          "cluster.placement_timeout_s": 120}
+          "cluster.placement_timeout_s": 120, "coordinator.call_timeout_s": 120}
+RELAUNCH_S = 150
 HALVES = {
     "colocated": [],
     "async": ["coordinator.mode=async", "assembler.max_staleness=1", "learner.num_ranks=2", "learner.num_cpus=0.25"],
@@ -225,7 +229,7 @@ def run_half(name: str, run_root: Path, seconds: float, fault_every: float, rng:
     bag = [] if bag is None else bag
     run_id = f"soak-{name}"
     run_dir, log_path = run_root / run_id, run_root / f"{run_id}.log"
-    hang_s = max(BOUNDS.values())
+    hang_s = max(BOUNDS.values()) + RELAUNCH_S
     overrides = _common(run_root, run_id, 1_000_000, sft, per_step) + HALVES[name] + [
         "coordinator.checkpoint_every=5", "cluster.max_relaunches=100000", f"coordinator.eval_every={eval_every}",
         "data.eval_size=48"] + [f"{k}={v}" for k, v in BOUNDS.items()] + list(extra)
@@ -363,7 +367,7 @@ def markdown(halves: list[dict], s: dict) -> str:
                    f" {h.get('trained', '-')} | {h.get('lost', '-')} | {h.get('doubled', '-')} | {h['hangs']} |"
                    f" {h.get('relaunches', '-')} | {held} | {h.get('rc', '-')} |")
     out += ["", f"relaunch (learner/coordinator kill -> next step) p50 {_f(s['relaunch_p50_s'])} s, max "
-            f"{_f(s['relaunch_max_s'])} s; hang bound {max(BOUNDS.values())} s", "",
+            f"{_f(s['relaunch_max_s'])} s; hang bound {max(BOUNDS.values()) + RELAUNCH_S} s", "",
             "| half | process | minutes | RSS start MB | RSS end MB | growth % |", "|---|---|---|---|---|---|"]
     for h in halves:
         for p in h.get("rss", []):
