@@ -50,7 +50,7 @@ def measure(cfg, model_dir: str, run_dir: str, batches: list, ranks: int, thread
     import ray
 
     from config import RunContext
-    from launch.place import create_learner
+    from launch.create import create_learner
     from queues.messages import TrainBatch, codec
 
     cfg.learner.num_ranks = ranks

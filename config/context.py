@@ -2,9 +2,9 @@
 
     RunContext(run_id, run_dir, redis_url, log_level, stream_high_water, reclaim_idle_s, data_dir)
 
-The launcher (launch/place.py) builds one per run (`RunContext.of(cfg, ...)`) and hands the same one to
-every actor's constructor: the coordinator, the assembler, the scorers, the generators and every
-learner rank. So the Redis URL, the run's directory (its logs) and the stream settings arrive one way.
+The launcher (launch/run.py) builds one per run (`RunContext.of(cfg, ...)`) and hands the same one
+(launch/create.py, launch/place.py) to every actor's constructor: the coordinator, the assembler, the
+scorers, the generators and every learner rank. So the Redis URL, the run's directory (its logs) and the stream settings arrive one way.
 
 Invariants:
 - Frozen, plain values only (strings and numbers): it pickles to any Ray actor as is, and an actor

@@ -235,7 +235,8 @@ def learner_build_gib(cfg: RunConfig, n_params: int, world: int) -> dict[str, fl
 
 def startup_and_checkpoint_phases(cfg: RunConfig, build: dict[str, float], generation: dict[str, float],
                                   optimizer_gib: float) -> dict[str, dict[str, float]]:
-    """Colocated engine+learner GPU: the phases besides the step's (launch/place.py, the coordinator).
+    """Colocated engine+learner GPU: the phases besides the step's (launch/create.py, launch/place.py,
+    the coordinator).
 
     learner build : the launcher builds the learner and puts it to sleep before any engine starts on its GPU
                     (`learner_build_gib`, alone on the device); the engines then start beside a sleeping

@@ -1,16 +1,16 @@
 """The --dry-run plan: which actor runs where, and what each GPU holds in each phase. Pure arithmetic.
 
 `make_plan(cfg) -> Plan`; `Plan.render()` is the table `python -m launch.cluster RECIPE --dry-run`
-prints, `Plan.to_dict()` the same as builtins, `Plan.fits` the verdict (the CLI's exit code).
+prints (drawn by launch/plan_table.py), `Plan.to_dict()` the same as builtins, `Plan.fits` the verdict
+(the CLI's exit code).
 
 Placement
     Taken whole from config.placement.make_placement (the function the launcher and --preflight build):
     nodes, one placement-group bundle per GPU, which actor on which bundle / node-local GPU, each
     actor's Ray request (GPU fraction, CPUs), the learner world size W and the weight-sync transport.
-    Its errors (engines that do not fit, async without learner GPUs) are plan errors. One row per
-    engine, one per node for the learner ranks (each rank's request shown), one per CPU actor. With
-    no GPUs (tiny) the plan is CPU only: every actor's Ray CPU request, summed against
-    cluster.num_cpus (0: this machine's CPUs).
+    Its errors (engines that do not fit, async without learner GPUs) are plan errors; its rows are
+    launch/plan_table.py's placement_rows. With no GPUs (tiny) the plan is CPU only: every actor's Ray
+    CPU request, summed against cluster.num_cpus (0: this machine's CPUs).
 
 Memory, per GPU, in GiB (2**30 bytes). N = parameters, W = learner world size, T = assembler.micro_batch_tokens,
 h = hidden, L = layers, I = intermediate, V = vocab, hd = head_dim, nh/nkv = attention/KV heads, b = bytes of dtype.
@@ -43,7 +43,7 @@ h = hidden, L = layers, I = intermediate, V = vocab, hd = head_dim, nh/nkv = att
 Phases (colocated; the GPU's peak is the max over them; learner build and checkpoint: config.memory's
 startup_and_checkpoint_phases):
     learner build: the learner alone on its GPU: the launcher builds it and puts it to sleep before any engine
-                  starts there (launch/place.py), so the engines start beside a sleeping learner (the
+                  starts there (launch/create.py), so the engines start beside a sleeping learner (the
                   generation phase) and the warm start runs with the engines asleep (a training phase).
     generation  : vLLM at its whole fraction + its context + learner asleep (weights [+ grads under ZeRO-0..2, which
                   DeepSpeed keeps allocated] + optimizer unless learner.offload_optimizer, which moves it to
@@ -79,26 +79,11 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from config import RunConfig
-from config.memory import (CUDA_CONTEXT_GIB, DTYPE_BYTES, GIB, QWEN3_SHAPES, ModelShape,  # noqa: F401 (re-exported)
-                           _checkpointing_note, kv_bytes_per_token, learner_asleep_awake_gib, learner_build_gib,
-                           learner_state_gib, model_shape, shared_async_budget, shared_async_phases,
-                           startup_and_checkpoint_phases, vllm_awake_gib)
-from config.placement import ActorSlot, Placement, make_placement
-
-# ---------------------------------------------------------------------------------------------
-# Plan
-
-
-@dataclass
-class ActorPlacement:
-    """One row of the rendered placement (the learner's ranks on one node share a row)."""
-    actor: str  # "generator-3", "learner-0..7", "scorer-0", ...
-    node: int
-    gpus: list[int]  # local GPU indices on that node; [] for CPU-only actors
-    num_cpus: float  # per actor (per rank for a learner row)
-    detail: str = ""
-    num_gpus: float = 0.0  # per actor (per rank)
-    bundle: str = "-"  # placement-group bundle(s) on the node; "cpu" for node 0's CPU bundle
+from config.memory import (CUDA_CONTEXT_GIB, DTYPE_BYTES, GIB, ModelShape, _checkpointing_note, kv_bytes_per_token,
+                           learner_asleep_awake_gib, learner_build_gib, learner_state_gib, model_shape,
+                           shared_async_budget, shared_async_phases, startup_and_checkpoint_phases, vllm_awake_gib)
+from config.placement import Placement, make_placement
+from launch.plan_table import ActorPlacement, placement_rows, render_plan
 
 
 @dataclass
@@ -154,129 +139,7 @@ class Plan:
         return d
 
     def render(self) -> str:
-        m = self.model
-        lines = [f"plan: {self.recipe}  mode={self.mode}  model={m.name} ({_count(self.num_params)} params: "
-                 f"h={m.hidden_size} L={m.num_layers} heads={m.num_heads} kv_heads={m.num_kv_heads} "
-                 f"head_dim={m.head_dim} I={m.intermediate_size} V={m.vocab_size}"
-                 f"{' tied' if m.tie_word_embeddings else ''})"]
-        if self.total_gpus:
-            lines.append(f"GPUs: {self.total_gpus} ({self.gpu_memory_gib:g} GiB each); "
-                         f"learner world size {self.learner_world_size}")
-        else:
-            lines.append(f"CPU only: {self.cpu_requested:g} CPUs requested of {self.cpu_available:g}")
-        if self.placement is not None:
-            lines.append(f"weight sync: {self.placement.weight_sync}")
-            for node, row in enumerate(self.placement.bundles):
-                if row:
-                    lines.append(f"node {node}: placement group (STRICT_PACK) of {_bundle_list(row)}")
-        lines += ["", "placement:", f"  {'actor':<16} {'node':>4}  {'bundles':<9} {'gpus':<9} {'gpu':>4} {'cpus':>5}  detail"]
-        for p in self.placements:
-            lines.append(f"  {p.actor:<16} {p.node:>4}  {p.bundle:<9} {_ranges(p.gpus) or '-':<9} {p.num_gpus:>4g} "
-                         f"{p.num_cpus:>5g}  {p.detail}")
-        for g in self.gpu_memory:
-            lines += ["", f"memory per GPU, GiB — {g.role} GPUs ({len(g.gpus)}: {_gpu_list(g.gpus)}):"]
-            phases = list(g.phases)
-            components = list(dict.fromkeys(c for p in phases for c in g.phases[p]))
-            cw = max([30] + [len(c) + 1 for c in components])
-            ws = [max(13, len(p) + 2) for p in phases]
-            lines.append(f"  {'component':<{cw}}" + "".join(f"{p:>{w}}" for p, w in zip(phases, ws)))
-            for c in components:
-                lines.append(f"  {c:<{cw}}" + "".join(
-                    f"{g.phases[p][c]:>{w}.2f}" if c in g.phases[p] else f"{'-':>{w}}" for p, w in zip(phases, ws)))
-            lines.append(f"  {'total':<{cw}}" + "".join(f"{g.phase_total(p):>{w}.2f}" for p, w in zip(phases, ws)))
-            lines.append(f"  peak {g.peak_gib:.2f} GiB in {g.peak_phase} (limit {self.gpu_memory_gib:g})")
-        if self.facts:
-            lines += ["", "facts:"] + [f"  {k}: {_fmt(v)}" for k, v in self.facts.items()]
-        if self.notes:
-            lines += ["", "notes:"] + [f"  - {n}" for n in self.notes]
-        lines.append("")
-        if self.fits:
-            lines.append("FITS")
-        else:
-            lines.append("DOES NOT FIT:")
-            lines += [f"  - {e}" for e in self.errors]
-        return "\n".join(lines)
-
-
-def _count(n: int) -> str:
-    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{n / scale:.2f}{suffix}"
-    return str(n)
-
-
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:,.2f}"
-    if isinstance(v, int):
-        return f"{v:,}"
-    return str(v)
-
-
-def _ranges(ids: list[int]) -> str:
-    if not ids:
-        return ""
-    out, start, prev = [], ids[0], ids[0]
-    for i in ids[1:] + [None]:
-        if i is not None and i == prev + 1:
-            prev = i
-            continue
-        out.append(f"{start}" if start == prev else f"{start}-{prev}")
-        if i is not None:
-            start = prev = i
-    return ",".join(out)
-
-
-def _bundle_list(row: list[dict[str, float]]) -> str:
-    """[{GPU 1, CPU 2} x8, {CPU 1}] as "8 x {GPU: 1, CPU: 2} + {CPU: 1}"."""
-    groups: list[list] = []
-    for b in row:
-        if groups and groups[-1][0] == b:
-            groups[-1][1] += 1
-        else:
-            groups.append([b, 1])
-    text = ["{" + ", ".join(f"{k}: {v:g}" for k, v in b.items()) + "}" for b, _ in groups]
-    return " + ".join(f"{n} x {t}" if n > 1 else t for t, (_, n) in zip(text, groups))
-
-
-def _gpu_list(gpus: list[tuple[int, int]]) -> str:
-    by_node: dict[int, list[int]] = {}
-    for node, gpu in gpus:
-        by_node.setdefault(node, []).append(gpu)
-    return " ".join(f"node{n}:{_ranges(sorted(g))}" for n, g in sorted(by_node.items()))
-
-
-def placement_rows(cfg: RunConfig, placement: Placement) -> list[ActorPlacement]:
-    """The placement as table rows: one per engine, one per node of learner ranks, one per CPU actor."""
-    gen, lr, world = cfg.generator, cfg.learner, placement.learner_world_size
-
-    def bundles(a: ActorSlot) -> str:
-        if a.bundle is None:
-            return "-"
-        return "cpu" if a.bundle == placement.cpu_bundle else _ranges(list(a.gpus) or [a.bundle])
-    rows = []
-    detail = {"generator": f"{gen.engine} TP {gen.tensor_parallel_size}",
-              "coordinator": f"{cfg.coordinator.steps} steps",
-              "scorer": f"SQLite pool of {cfg.scorer.workers} processes",
-              "assembler": f"micro-batches of {cfg.assembler.micro_batch_tokens} tokens"}
-    for node in range(placement.num_nodes):
-        ranks = [a for a in placement.by_role("learner") if a.node == node]
-        if not ranks:
-            continue
-        gpus = [g for a in ranks for g in a.gpus]
-        first, last = ranks[0].rank, ranks[-1].rank
-        name = f"learner-{first}" if first == last else f"learner-{first}..{last}"
-        shares = sorted({a.num_gpus for a in ranks})
-        rows.append(ActorPlacement(name, node, gpus, lr.num_cpus, f"rank{'s' if last > first else ''} "
-                                   f"{first}{'-' + str(last) if last > first else ''} of {world}, ZeRO-{lr.zero_stage}",
-                                   shares[-1], _ranges(gpus) if placement.gpu else "-"))
-        if len(shares) > 1:
-            rows[-1].detail += f" (GPU {shares[0]:g} where an engine shares it)"
-    engines = [ActorPlacement(a.name, a.node, list(a.gpus), a.num_cpus, detail["generator"], a.num_gpus, bundles(a))
-               for a in placement.by_role("generator")]
-    rest = [ActorPlacement(a.name, a.node, [], a.num_cpus, detail[a.role], 0.0, bundles(a))
-            for a in placement.actors if a.role not in ("generator", "learner")]
-    return engines + rows + rest
+        return render_plan(self)
 
 
 def _cpu_plan(cfg: RunConfig, shape: ModelShape, recipe: str, placement: Placement) -> Plan:

@@ -2,9 +2,9 @@
 
 What it does, in order (each step bounded; the first failure is one line, PreflightFailed):
 1. config.placement.make_placement(cfg) -- the function --dry-run renders; its errors fail at once.
-2. One STRICT_PACK placement group per plan node (launch.place.build_placement_groups), the GPU ids
+2. One STRICT_PACK placement group per plan node (launch.groups.build_placement_groups), the GPU ids
    of every bundle by a tiny task in it, then one light probe actor (launch.probe.Probe) per planned
-   actor with exactly the options the launcher gives the real one (launch.place.actor_options).
+   actor with exactly the options the launcher gives the real one (launch.groups.actor_options).
 3. Every probe reports its Ray node, GPU ids (ray.get_gpu_ids(), CUDA_VISIBLE_DEVICES), free device
    memory (nvidia-smi, where a GPU exists), whether Redis answers PING from there and, on a real
    cluster, whether model.path (learner ranks, engines) and data.bird_dir (coordinator, scorers)
@@ -149,7 +149,8 @@ def run_probes(cfg: RunConfig, redis_url: str, simulate: bool, placement_timeout
     """Steps 1-5 on the Ray cluster this process is connected to."""
     import ray
 
-    from launch import place
+    from launch.groups import (PlacementFailed, actor_options, build_placement_groups, bundle_gpu_ids, check_cpus,
+                               group_nodes, remove_groups)
     from launch.probe import Probe
 
     t0 = time.perf_counter()
@@ -157,20 +158,20 @@ def run_probes(cfg: RunConfig, redis_url: str, simulate: bool, placement_timeout
     if placement.errors:
         raise PreflightFailed(placement.errors[0])
     try:
-        place.check_cpus(placement)
-        groups = place.build_placement_groups(placement, placement_timeout_s, name=names)
-    except place.PlacementFailed as e:
+        check_cpus(placement)
+        groups = build_placement_groups(placement, placement_timeout_s, name=names)
+    except PlacementFailed as e:
         raise PreflightFailed(str(e)) from None
     probes: dict[str, Any] = {}
     try:
-        node_ids = place.group_nodes(groups) if groups else []
-        bundle_gpus = place.bundle_gpu_ids(placement, groups, timeout_s) if groups else {}
+        node_ids = group_nodes(groups) if groups else []
+        bundle_gpus = bundle_gpu_ids(placement, groups, timeout_s) if groups else {}
         timings = {"placement groups": time.perf_counter() - t0}
         from actors.shell import ray_actor
 
         actor_cls = ray_actor(Probe)
         for a in placement.actors:
-            probes[a.name] = actor_cls.options(**place.actor_options(a, groups)).remote(a.name)
+            probes[a.name] = actor_cls.options(**actor_options(a, groups)).remote(a.name)
         names_ = [a.name for a in placement.actors]
         got = _get([probes[a.name].report.remote(redis_url, _paths(cfg, a.role, simulate)) for a in placement.actors],
                    timeout_s, "probe report", names_)
@@ -189,7 +190,7 @@ def run_probes(cfg: RunConfig, redis_url: str, simulate: bool, placement_timeout
     finally:
         for handle in probes.values():
             ray.kill(handle, no_restart=True)
-        place.remove_groups(groups)
+        remove_groups(groups)
 
 
 def _all_reduce(placement: Placement, probes: dict, simulate: bool, timeout_s: float) -> float:

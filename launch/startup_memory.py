@@ -1,8 +1,8 @@
 """Device memory at each start-up phase boundary of a GPU run, logged as scalars (issue 25, point 3).
 
-The launcher marks each boundary it drives (launch/place.py): "learner built" and "learner asleep"
-(where a learner rank shares its GPU with an engine, the learner is built and put to sleep before any
-engine starts), "engines built", "engines asleep" (colocated, before the warm start), "warm start done"
+The launcher marks each boundary it drives (launch/create.py, launch/place.py): "learner built" and
+"learner asleep" (where a learner rank shares its GPU with an engine, the learner is built and put to
+sleep before any engine starts), "engines built", "engines asleep" (colocated, before the warm start), "warm start done"
 and "initial sync done" (just before step 1). Each mark is one `start-up memory` line in the launcher's
 log (logs/launcher.jsonl) whose fields besides `phase` are scalars in GiB (`startup_row`):
     learner_allocated/reserved_gib       rank 0's caching allocator now

@@ -32,7 +32,8 @@ def test_async_on_one_gpu_places_engine_and_rank_on_one_bundle_learner_asleep_fi
     import actors.learner.shell
     import actors.scorer
     from config import RunContext
-    from launch.place import create_actors, remove_groups
+    from launch.create import create_actors
+    from launch.groups import remove_groups
     from launch.startup_memory import StartupMemory
 
     for module, name in ((actors.generator.shell, "GeneratorShell"), (actors.learner.shell, "LearnerShell"),

@@ -186,7 +186,7 @@ def test_a_timeout_is_handled_as_a_death_by_the_launcher():
 
 @pytest.mark.slow  # two learner ranks (each imports torch and DeepSpeed) on a real local Ray
 def test_a_sigstopped_learner_rank_ends_the_group_s_call_within_its_bound_naming_the_rank(tmp_path):
-    from launch.place import create_learner
+    from launch.create import create_learner
     from launch.run import actor_died
     from tasks.tiny_model import build_tiny
     from tests.conftest import ray_cluster

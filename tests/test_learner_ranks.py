@@ -97,7 +97,7 @@ def ranks_vs_one(model_dir, tmp_path_factory):
 
     from actors.learner.learner import Learner
     from config import RunContext
-    from launch.place import create_learner
+    from launch.create import create_learner
     from queues.messages import TrainBatch, codec
     from queues.redis_server import EmbeddedRedis
     from queues.streams import Stream, connect

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from config import ConfigError, apply_overrides
-from launch.plan import GIB, QWEN3_SHAPES, make_plan, model_shape
+from config.memory import GIB, QWEN3_SHAPES, model_shape
 from config.recipes import get_recipe
+from launch.plan import make_plan
 
 REPO = Path(__file__).resolve().parents[1]
 

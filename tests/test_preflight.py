@@ -90,7 +90,7 @@ class _StandIn(Probe):
     def listen(self, host=None):
         return host or "127.0.0.1", 0
 
-    def sleep(self, *args):  # the learner's, before engines start on its GPU (launch.place.create_actors)
+    def sleep(self, *args):  # the learner's, before engines start on its GPU (launch.create.create_actors)
         self.slept_at = time.time()
 
     def memory(self):  # a GPU process answers actors/device_memory.py's stats; no device here
@@ -113,7 +113,8 @@ def test_launcher_builds_the_plan_s_placement_fake_gpu_actors_stand_in(cluster_3
     import actors.generator.shell
     import actors.learner.shell
     import actors.scorer
-    from launch.place import create_actors, group_nodes, remove_groups
+    from launch.create import create_actors
+    from launch.groups import group_nodes, remove_groups
     from launch.plan import make_plan
 
     for module, name in ((actors.generator.shell, "GeneratorShell"), (actors.learner.shell, "LearnerShell"),
@@ -174,7 +175,7 @@ def _place_looping(monkeypatch, tmp_path, name: str):
     import actors.generator.shell
     import actors.learner.shell
     import actors.scorer
-    from launch.place import create_actors
+    from launch.create import create_actors
 
     for module, attr, cls in ((actors.generator.shell, "GeneratorShell", _LoopingStage),
                               (actors.learner.shell, "LearnerShell", _Looping), (actors.scorer, "ScorerShell", _LoopingStage),
@@ -199,7 +200,8 @@ def test_orderly_stop_leaves_no_actor_and_no_raylet_restart_lines_fake_gpu_actor
     shown first, so the check below is one that can fail."""
     import structlog
 
-    from launch.place import kill_run_actors, remove_groups, stop_actors
+    from launch.groups import remove_groups
+    from launch.place import kill_run_actors, stop_actors
 
     *_, groups, loops = _place_looping(monkeypatch, tmp_path / "old", "old-order")
     remove_groups(groups)

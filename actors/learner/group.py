@@ -2,7 +2,7 @@
 
 Invariants:
 - Rank i is the Ray actor `<names>:learner-<i>`, one process each (on GPU one GPU each), created by the
-  launcher (launch/place.py create_learner), never by the group; rank 0 is `ranks[0]`. A world of one keeps its in-process HashStore (no socket at all).
+  launcher (launch/create.py create_learner), never by the group; rank 0 is `ranks[0]`. A world of one keeps its in-process HashStore (no socket at all).
 - A world of N rendezvous on a TCPStore that rank 0 binds (never on every interface) on a free port:
   on loopback when every rank runs on one node, else on rank 0's node address as Ray reports it; each
   rank's gloo groups bind the same way (loopback, or its own node address: world.world_hosts). Every wait is bounded: the store's
@@ -59,7 +59,7 @@ class LearnerGroup:
     @classmethod
     def joined(cls, ranks: list, zero_stage: int = 0, timeout_s: float = JOIN_TIMEOUT_S,
                **bounds: float) -> "LearnerGroup":
-        """The group over rank actors the launcher created (launch/place.py create_learner), rank 0
+        """The group over rank actors the launcher created (launch/create.py create_learner), rank 0
         first; a world > 1 waits until all joined one world (at most `timeout_s`). `bounds`:
         call_timeout_s, train_timeout_s (the constructor's)."""
         group = cls(ranks, zero_stage, **bounds)

@@ -1,7 +1,7 @@
 """The learner's Ray shell: one rank actor (`LearnerActor`), the thin layer the coordinator and the
 LearnerGroup call; all training behaviour lives in actors/learner/learner.py. Built like every actor
 (actors/shell.py): `LearnerShell(cfg.learner, ctx, model_cfg=..., rank=..., world_size=...)`, each rank
-by the launcher (launch/place.py create_learner).
+by the launcher (launch/create.py create_learner).
 
 Invariants:
 - Rank 0 alone reads the `batches` stream (consumer "learner-0", the one consumer loop in pull mode:
