@@ -60,6 +60,10 @@ class _Generator:
     async def wake(self, tags=None):
         await self._answer("wake")
 
+    async def health(self):
+        await self._answer("health")
+        return {"version": 0, "needs_weights": False}
+
 
 async def test_fake_frozen_generator_ends_the_coordinator_s_wait_naming_it_and_the_call():
     from actors.coordinator.coordinator import Coordinator
@@ -99,6 +103,50 @@ async def test_fake_frozen_generator_is_restarted_in_place_once_per_call():
         await coord._all_generators("wake", ["weights"])
     assert str(e.value) == "generator-1.wake did not return within 1 s (the actor is frozen or overloaded)"
     assert restarted == [gens[1], gens[1]] and coord.frozen_restarts == 2
+
+
+async def test_fake_frozen_generator_holding_a_step_s_late_groups_is_restarted_and_they_are_waited_for():
+    """A step's wait for its groups that times out with some missing asks every generator (health, bounded): a
+    frozen one, which holds them pending under its name, is restarted in place, and the wait goes on for the
+    groups its new instance serves once resynced (heal_generators), instead of the collect waiting its whole
+    timeout again and failing them. A late step whose generators all answer is not waited for again.
+    Stand-ins (fake): the restarted generator makes the groups it held once healed."""
+    from actors.coordinator.coordinator import Coordinator
+    from queues.messages import train_task_id
+
+    live, frozen = _Generator(), _Generator(frozen=True)
+    coord = Coordinator(_cfg(), RunContext(run_id="late"), [], [], generators=[live, frozen], learner=None,
+                        assembler=None)
+    ids = [train_task_id(3, k) for k in range(4)]
+    coord._generated = {ids[0]: 1.0}  # the live generator's group; the frozen one holds the other three
+    restarted = []
+
+    def restart(g):  # what Ray's restart gives: the same handle, a live instance behind it
+        restarted.append(g)
+        g.frozen = False
+        return True
+
+    async def heal(timeout_s=2.0):  # resynced: the new instance serves its pending prompts first
+        if not restarted:
+            return 0
+        coord._generated.update({t: 2.0 for t in ids[1:]})
+        coord._event_arrived.set()
+        return 1
+
+    coord.restart_frozen, coord.heal_generators = restart, heal
+    coord._check_events, coord._event_arrived = (lambda: None), asyncio.Event()  # the events consumer's (fake)
+    t0 = time.monotonic()
+    await coord._wait_generated(ids, 2.0)
+    waited = time.monotonic() - t0
+    assert all(t in coord._generated for t in ids), "the restarted generator's groups were not waited for"
+    assert restarted == [frozen] and coord.frozen_restarts == 1 and frozen.calls == ["health", "health"]
+    assert waited < 2.0 + 0.5 + 1.9  # the second wait ended with the groups, not at its timeout
+
+    late = [train_task_id(4, 0)]  # late, but no generator is frozen: one wait, no restart
+    t0 = time.monotonic()
+    await coord._wait_generated(late, 1.0)
+    assert late[0] not in coord._generated and coord.frozen_restarts == 1 and time.monotonic() - t0 < 1.9
+    assert live.calls == ["health", "health"]
 
 
 async def test_fake_restarted_generator_is_resynced_during_an_evaluation():
@@ -218,10 +266,13 @@ async def _pid_of(rank):
 @pytest.mark.slow  # a whole tiny run (~3-5 min on 2 busy cores)
 def test_a_generator_frozen_mid_run_is_restarted_in_place_and_the_run_ends_whole(tmp_path):
     """`tiny` (one generator, colocated) with small bounds: the generator is SIGSTOPped mid-run (alive to
-    Ray, silent: Ray restarts nothing by itself). Its prompts time out (step_timeout_s), the coordinator's
-    next call to it (sleep) runs past coordinator.call_timeout_s + generator.pause_timeout_s; the
-    coordinator kills it, Ray restarts it in place, the call is made again, and the run goes on without a
-    relaunch, ending 0 with nothing lost or trained twice and no process left."""
+    Ray, silent: Ray restarts nothing by itself). Its prompts are late (step_timeout_s), so the coordinator
+    asks every generator (health), which runs past coordinator.call_timeout_s; it kills the frozen one, Ray
+    restarts it in place, the call is made again, and the step waits once more for its prompts, which the
+    new instance (resynced) serves: the step ends well within step_timeout_s of the restart with no prompt
+    failed (23 s at load ~60, most of it the new instance's start and engine build; before: its collect
+    waited step_timeout_s again and failed the 7 prompts the frozen instance held, 74 s after the restart),
+    and the run goes on without a relaunch, ending 0 with nothing lost or trained twice and no process left."""
     from bench.chaos import Launch, _common, _wait_log, _wait_rows, find_pids, rows, verify
 
     # call_timeout_s: above the slowest healthy call of tiny on a machine at load ~30 (a checkpoint save,
@@ -257,6 +308,21 @@ def test_a_generator_frozen_mid_run_is_restarted_in_place_and_the_run_ends_whole
     assert rc == 0 and relaunches == [], log.read_text()[-3000:]
     restarts = [ln for ln in coord_log.read_text(errors="replace").splitlines() if "restarted in place" in ln]
     assert len(restarts) == 1 and '"generator": "generator-0"' in restarts[0] and "did not return within" in restarts[0], restarts
+    assert [r["step"] for r in rows(run_dir) if r.get("prompts_failed")] == [], "prompts failed though the generator came back"
+    after = _seconds_to_next_step(coord_log, "restarted in place")
+    assert after < step_s * 2 / 3, f"the frozen step ended {after:.1f} s after the restart (step_timeout_s={step_s})"
     r = verify(run_dir, steps, per_step)
     assert (r["lost"], r["doubled"], r["bad_rows"]) == (0, 0, 0), r["problems"]
     assert pid not in launch.leftovers() and launch.leftovers() == []
+
+
+def _seconds_to_next_step(coord_log, marker: str) -> float:
+    """Seconds from the coordinator's log line holding `marker` to its next step line (their timestamps)."""
+    import json
+    from datetime import datetime
+
+    lines = [json.loads(ln) for ln in coord_log.read_text(errors="replace").splitlines() if ln.startswith("{")]
+    at = next(i for i, ln in enumerate(lines) if marker in ln.get("event", ""))
+    end = next(ln for ln in lines[at:] if ln.get("event") == "step")
+    stamp = lambda ln: datetime.fromisoformat(ln["timestamp"].replace("Z", "+00:00"))  # noqa: E731
+    return (stamp(end) - stamp(lines[at])).total_seconds()

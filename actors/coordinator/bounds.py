@@ -9,7 +9,10 @@ bound `call_bound` gives it, and one past its bound raises ActorCallTimeout, one
 exception: Ray restarts it in place (actors.shell.RESTARTABLE), so one frozen past a control call's bound
 is killed and restarted (`restart_frozen`, actors.shell.restart_in_place) and the call is made once more,
 within the bound plus coordinator.call_timeout_s for the new instance to start; the run goes on
-(heal_generators / the next sync give it the current weights; its pending prompts are taken back).
+(heal_generators / the next sync give it the current weights; its pending prompts are taken back). A step's
+wait for its groups that ends with some missing makes such a call (health) to every generator
+(`restart_frozen_generators`), so a frozen generator holding them is restarted then, and the step waits for
+them once more, served by the new instance, instead of failing them.
 
 Invariants:
 - `call_bound` is pure: coordinator.call_timeout_s on top of the wait the call is given itself (a
@@ -80,6 +83,14 @@ class BoundedCalls:
                 self.log.warning("generator frozen past its bound: restarted in place", generator=label, call=method,
                                  error=str(e))
         return await call_within(bound + self.cfg.coordinator.call_timeout_s, label, g, method, *args)
+
+    async def restart_frozen_generators(self) -> int:
+        """A bounded call (health) to every generator: one frozen past it is restarted in place
+        (_generator_call). Returns how many were restarted; a step's wait that timed out with groups missing
+        asks (coordinator.py _wait_generated), so a frozen generator is not first met by the next control call."""
+        before = getattr(self, "frozen_restarts", 0)
+        await self._all_generators("health", targets=[g for g in self.generators if hasattr(g, "health")])
+        return getattr(self, "frozen_restarts", 0) - before
 
     async def _all_generators(self, method: str, *args, targets: list | None = None) -> list:
         """`method` on every generator (or `targets`) at once, each bounded."""

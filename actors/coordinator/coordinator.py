@@ -14,7 +14,8 @@ Invariants:
 - Control calls are awaited in order; a step's handshake never interleaves with another's.
 - Every call to an actor has a bound (actors/coordinator/bounds.py): one past it (a frozen actor) raises
   ActorCallTimeout naming the actor and the call, and the run ends as on a death (relaunch or one line);
-  a frozen generator is first restarted in place, once a call (bounds.py).
+  a frozen generator is first restarted in place, once a call (bounds.py), at the latest when a step's groups
+  are late (its restarted instance then serves them in that step: _wait_generated).
 - Every task the coordinator publishes gets exactly one outcome in the ledger (trained or a
   drop reason), and the per-step counts are in the step's metrics. The ledger is the one record that
   grows with the run; everything else the coordinator holds covers the last few steps (a step's
@@ -130,7 +131,16 @@ class Coordinator(BoundedCalls, WeightSyncHandshake, Checkpointing):
 
     async def _wait_generated(self, task_ids: list[str], timeout_s: float) -> float:
         """Returns when every task's group was published by a generator (event), or at timeout.
-        Meanwhile resyncs any generator Ray restarted (it waits for the current weights)."""
+        Meanwhile resyncs any generator Ray restarted (it waits for the current weights). At the timeout with
+        groups missing, a frozen generator is restarted in place (restart_frozen_generators) and the wait made
+        once more: its prompts are pending under its name, and the new instance, resynced here, serves them
+        first (else the collect waited its whole timeout for them, and failed them)."""
+        last = await self._wait_events(task_ids, timeout_s)
+        if not all(t in self._generated for t in task_ids) and await self.restart_frozen_generators():
+            last = await self._wait_events(task_ids, timeout_s)
+        return last
+
+    async def _wait_events(self, task_ids: list[str], timeout_s: float) -> float:
         deadline = time.monotonic() + timeout_s
         next_heal = time.monotonic() + 1.0
         while time.monotonic() < deadline:
