@@ -258,7 +258,7 @@ def simulated_cluster(placement: Placement, temp_root: str | None = None):
     import ray
     from ray.cluster_utils import Cluster
 
-    from launch.run import environ, ray_on_loopback, run_env
+    from launch.local_ray import environ, ray_on_loopback, run_env
 
     cpus = max(sum(b.get("CPU", 0.0) for b in row) for row in placement.bundles) if placement.gpu else \
         sum(a.num_cpus for a in placement.actors)
@@ -291,7 +291,8 @@ def preflight(cfg: RunConfig, simulate: bool = False, placement_timeout_s: float
     """The whole check: Redis (REDIS_URL or an embedded one), Ray (simulated or the configured one), steps 1-5."""
     import ray
 
-    from launch.run import preflight as reachable, redis_url_of, start_ray
+    from launch.local_ray import start_ray
+    from launch.run import preflight as reachable, redis_url_of
 
     placement = make_placement(cfg)
     if placement.errors:

@@ -45,7 +45,7 @@ def check_port(host: str, port: int) -> None:
 
 
 def replica_grpc_on_loopback() -> bool:
-    """In a replica of a cluster whose node address is loopback (ours: launch.run.ray_on_loopback), makes
+    """In a replica of a cluster whose node address is loopback (ours: launch.local_ray.ray_on_loopback), makes
     Ray Serve's inter-deployment gRPC server bind 127.0.0.1 instead of every interface: Ray 2.60's replica
     hard-codes `[::]:0` (ray/serve/_private/replica.py `_on_initialized`), the one socket of the service
     beyond loopback besides the proxy. Called from the replica's constructor, which runs before that
@@ -171,7 +171,7 @@ def main(argv: list[str] | None, start) -> int:
     try:
         import ray
 
-        from launch.run import init_local_ray, ray_on_loopback
+        from launch.local_ray import init_local_ray, ray_on_loopback
 
         if args.ray_address:
             ray.init(address=args.ray_address)

@@ -93,11 +93,11 @@ def ray_cluster(prefix: str = "ray-test-"):
     """A real local Ray (2 CPUs, no dashboard) in its own temp dir, whose workers import this repo.
 
     `address="local"` always starts a new cluster (never joins one another test or process left), tried
-    again when Ray's fixed 30 s raylet wait runs out on a loaded machine (launch.run.init_local_ray).
+    again when Ray's fixed 30 s raylet wait runs out on a loaded machine (launch.local_ray.init_local_ray).
     PYTHONPATH is restored afterwards. Used by the `local_ray` fixture and by module-scoped ones.
     """
     ray = pytest.importorskip("ray")
-    from launch.run import init_local_ray
+    from launch.local_ray import init_local_ray
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     saved = os.environ.get("PYTHONPATH")

@@ -118,12 +118,12 @@ def test_ray_dashboard_is_skipped_when_its_modules_are_missing(monkeypatch):
     instead of failing in ray.init."""
     import importlib.util
 
-    from launch import run
+    from launch import local_ray
 
-    assert run.dashboard_available() is True  # the dev install has ray[default]
+    assert local_ray.dashboard_available() is True  # the dev install has ray[default]
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "aiohttp_cors" else real(name, *a))
-    assert run.dashboard_available() is False
+    assert local_ray.dashboard_available() is False
 
 
 def test_a_local_ray_start_that_timed_out_is_tried_again_fake_ray_init(monkeypatch):
@@ -132,7 +132,7 @@ def test_a_local_ray_start_that_timed_out_is_tried_again_fake_ray_init(monkeypat
     any other error, or the last timeout, is raised as it was."""
     import ray
 
-    from launch import run
+    from launch import local_ray
 
     calls, shutdowns, left = [], [], []
 
@@ -148,13 +148,13 @@ def test_a_local_ray_start_that_timed_out_is_tried_again_fake_ray_init(monkeypat
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     cfg = apply_overrides(get_recipe("tiny"), [])
     log = __import__("structlog").get_logger()
-    run.start_ray(cfg, None, log)
+    local_ray.start_ray(cfg, None, log)
     assert calls == ["local"] * 3 and len(shutdowns) == 2
     assert [p.wait(timeout=30) for p in left] == [-9, -9]  # the failed attempts' processes are gone
     calls.clear()
-    monkeypatch.setattr(run, "LOCAL_RAY_ATTEMPTS", 2)
+    monkeypatch.setattr(local_ray, "LOCAL_RAY_ATTEMPTS", 2)
     with pytest.raises(Exception, match="timed out during startup"):
-        run.start_ray(cfg, None, log)
+        local_ray.start_ray(cfg, None, log)
     assert len(calls) == 2
 
     def broken(**kw):
@@ -164,7 +164,7 @@ def test_a_local_ray_start_that_timed_out_is_tried_again_fake_ray_init(monkeypat
     calls.clear()
     monkeypatch.setattr(ray, "init", broken)
     with pytest.raises(RuntimeError, match="port taken"):
-        run.start_ray(cfg, None, log)
+        local_ray.start_ray(cfg, None, log)
     assert calls == [1]  # not a timeout: no retry
 
 
@@ -176,7 +176,7 @@ def test_a_local_cluster_inherits_the_run_env_and_tiny_has_no_dashboard_fake_ray
 
     import ray
 
-    from launch import run
+    from launch import local_ray
 
     seen = []
     monkeypatch.setattr(ray, "init", lambda **kw: seen.append((kw, dict(os.environ))))
@@ -186,16 +186,16 @@ def test_a_local_cluster_inherits_the_run_env_and_tiny_has_no_dashboard_fake_ray
     monkeypatch.setenv("ARL_PROBE", "x")
     log = __import__("structlog").get_logger()
     for overrides, dashboard in (([], False), (["cluster.dashboard=true"], True)):
-        run.start_ray(apply_overrides(get_recipe("tiny"), overrides), None, log)
+        local_ray.start_ray(apply_overrides(get_recipe("tiny"), overrides), None, log)
         kw, env = seen.pop()
         assert kw["address"] == "local" and kw["include_dashboard"] is dashboard and "runtime_env" not in kw
-        assert env["OMP_NUM_THREADS"] == "1" and env["ARL_PROBE"] == "x" and env["PYTHONPATH"].startswith(str(run.Path(run.__file__).resolve().parent.parent))
+        assert env["OMP_NUM_THREADS"] == "1" and env["ARL_PROBE"] == "x" and env["PYTHONPATH"].startswith(str(local_ray.Path(local_ray.__file__).resolve().parent.parent))
         assert env["RAY_worker_niceness"] == "0"  # the actors at the launcher's priority, not 15 below it
         assert "OMP_NUM_THREADS" not in os.environ and "RAY_worker_niceness" not in os.environ  # restored
     assert get_recipe("bird_32b").cluster.dashboard is True
-    run.start_ray(apply_overrides(get_recipe("tiny"), ["cluster.ray_address=127.0.0.1:6379"]), None, log)
+    local_ray.start_ray(apply_overrides(get_recipe("tiny"), ["cluster.ray_address=127.0.0.1:6379"]), None, log)
     kw, _ = seen.pop()
-    assert kw["address"] == "127.0.0.1:6379" and kw["runtime_env"] == {"env_vars": run.run_env()}
+    assert kw["address"] == "127.0.0.1:6379" and kw["runtime_env"] == {"env_vars": local_ray.run_env()}
 
 
 def test_validation_resolves_every_auto_and_the_saved_config_loads_back_the_same():

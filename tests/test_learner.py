@@ -131,6 +131,29 @@ def test_gradient_accumulation_equals_one_micro_batch(model_dir, tmp_path):
     assert_same_adam_step(p_split, params(learner))
 
 
+def test_one_epoch_one_minibatch_reuses_the_update_pass_log_probs_and_steps_exactly_as_a_separate_pass(model_dir, tmp_path):
+    """One update epoch over one minibatch: the old log-probs are the update pass's own, detached, with no
+    forward pass of their own; the step (gradients, loss, the sampler-mismatch terms, the new weights)
+    equals the one with the separate no-grad pass."""
+    learner = make_learner(model_dir)
+    learner.save(str(tmp_path))
+    batch = make_batch(seed=5, budget=40)
+    assert len(batch.micro_batches) >= 3 and len(batch.minibatches) == 1
+    m_reused = learner.train_step(batch)
+    p_reused = params(learner)
+    assert m_reused["old_logprobs_reused"] == 1.0 and m_reused["ratio_max"] == 1.0
+    learner.load(str(tmp_path))
+    learner._reuses_old_logprobs = lambda n: False  # the separate pass, as with two epochs or minibatches
+    m_pass = learner.train_step(batch)
+    assert m_pass["old_logprobs_reused"] == 0.0 and m_pass["old_logprob_s"] > 0.0
+    assert m_reused["grad_norm"] == pytest.approx(m_pass["grad_norm"], rel=1e-6)
+    assert m_reused["pg_loss"] == pytest.approx(m_pass["pg_loss"], rel=1e-6, abs=1e-8)
+    assert m_reused["mismatch_kl"] == pytest.approx(m_pass["mismatch_kl"], rel=1e-6)
+    assert_same_adam_step(p_reused, params(learner))
+    two = make_learner(model_dir, update_epochs=2)
+    assert two.train_step(make_batch(seed=5, budget=40))["old_logprobs_reused"] == 0.0
+
+
 def test_zero3_matches_zero0_and_exports_full_weights(model_dir):
     batch = make_batch(seed=3, minibatches=2)
     z0 = make_learner(model_dir, zero_stage=0)

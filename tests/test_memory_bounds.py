@@ -71,8 +71,8 @@ def _gcs_environ(ray) -> dict[str, str]:
 
 def test_a_local_ray_s_gcs_keeps_a_bounded_task_history(local_ray):
     """Ray's default (100,000 tasks' events in the GCS, ~3.4 kB each) grew gcs_server by ~2.4 MB a minute in
-    the hour soak; the clusters we start cap it (launch.run.LOCAL_RAY_ENV)."""
-    from launch.run import LOCAL_RAY_ENV
+    the hour soak; the clusters we start cap it (launch.local_ray.LOCAL_RAY_ENV)."""
+    from launch.local_ray import LOCAL_RAY_ENV
 
     assert int(LOCAL_RAY_ENV["RAY_task_events_max_num_task_in_gcs"]) <= 10_000
     assert _gcs_environ(local_ray)["RAY_task_events_max_num_task_in_gcs"] == LOCAL_RAY_ENV["RAY_task_events_max_num_task_in_gcs"]

@@ -60,7 +60,7 @@ LOOPBACK = ("0100007F", "00000000000000000000000001000000", "0000000000000000FFF
 def test_ray_on_loopback_makes_the_node_address_loopback_and_restores_it():
     from ray._private import ray_constants, services
 
-    from launch.run import RAY_LOCAL_ONLY, ray_on_loopback
+    from launch.local_ray import RAY_LOCAL_ONLY, ray_on_loopback
 
     before = os.environ.get(RAY_LOCAL_ONLY), ray_constants.ENABLE_RAY_CLUSTER
     with ray_on_loopback(True):

@@ -4,6 +4,10 @@ Invariants:
 - Old log-probs are computed once per batch (no grad, same packing, same kernels as the update
   pass), before any optimizer step, so every update epoch clips against the same policy. The
   first update from the generator's own weights sees ratio 1, ppo_kl 0, clipfrac 0 exactly.
+  A step of one update epoch over one minibatch (the weights move once, after every micro-batch's
+  backward) takes them from the update pass itself, detached (`old_logprobs_reused`): the same
+  weights, packing and kernels, so the same numbers, without the extra forward pass (TRL does the
+  same with num_iterations=1). A reference model's pass is never skipped.
 - The old log-probs are the PROXIMAL policy of the decoupled objective; the sampler's per-token
   log-probs (the BEHAVIOUR policy) always reach the loss, which reports mismatch_kl every step and
   applies learner.correction's importance weight (policies/offpolicy.py) where it is on.
@@ -166,9 +170,11 @@ class Learner(LearnerEngine):
         minibatches = [[items[i] for i in mb] for mb in batch.minibatches]
         norms = [self._normalizer(mb) for mb in minibatches]  # global: from the whole minibatch
         shares = [self._share(mb, use_gen) for mb in minibatches]
+        reuse_old = self._reuses_old_logprobs(len(minibatches))
         with torch.no_grad():
             for it in (it for share in shares for it in share):
-                it["old_logprobs"], _ = self._forward(it["packed"])
+                if not reuse_old:
+                    it["old_logprobs"], _ = self._forward(it["packed"])
                 if self.ref_model is not None:
                     it["ref_logprobs"], _ = self._forward(it["packed"], module=self.ref_model)
         t_old = time.perf_counter() - t0
@@ -190,6 +196,8 @@ class Learner(LearnerEngine):
                     weight = it["weight"]
                     self.engine.set_gradient_accumulation_boundary(j == len(share) - 1)
                     lp, ent = self._forward(pb, with_entropy=c.entropy_coef > 0)
+                    if reuse_old:
+                        it["old_logprobs"] = lp.detach()
                     loss, m = policy_loss(
                         lp, it["old_logprobs"], it["advantages"], pb.loss_mask, clip_low=c.clip_low,
                         clip_high=c.clip_high, agg=c.loss_agg, ref_logprobs=it.get("ref_logprobs"),
@@ -236,6 +244,7 @@ class Learner(LearnerEngine):
             num_obs_tokens=float(sum(it["packed"].num_completion_tokens - it["packed"].num_loss_tokens for it in items)),
             num_tokens=float(sum(it["packed"].num_tokens for it in items)),
             old_logprob_s=float(t_old),
+            old_logprobs_reused=float(reuse_old),
             step_s=float(elapsed),
             tokens_per_s=float(tot["tokens_fwd"] / max(elapsed - t_old, 1e-9)),
             # The figure that compares across packings (a shared prompt is fewer tokens for the same samples):
@@ -246,6 +255,11 @@ class Learner(LearnerEngine):
             step=float(self.step),
         )
         return metrics
+
+    def _reuses_old_logprobs(self, num_minibatches: int) -> bool:
+        """Whether this step's old log-probs are the update pass's own, detached (module docstring): one
+        update epoch over one minibatch, so the weights move only after every micro-batch's backward."""
+        return self.cfg.update_epochs == 1 and num_minibatches == 1
 
     def _step_metrics(self, tot: dict[str, float], mx: dict[str, float], num_minibatches: int) -> dict[str, float]:
         """The step's scalars from the rank-summed `tot` and rank-maxed `mx` of train_step."""

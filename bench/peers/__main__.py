@@ -8,8 +8,8 @@
 What runs, in order (each command a child process whose whole process tree's RSS is sampled every
 0.5 s, bench/peers/tree.py):
 1. the peer venv (bench/peers/venv.py: TRL beside torch==2.13.0; PEERS_OFFLINE=1: local sources only);
-2. the warm-started export, once, through our launcher (bench/peers/ours.py: tiny's warm start, then one
-   step at lr 1e-30), given to both sides;
+2. the warm-started export, once per $OUT (a later command with the same OUT reuses it), through our
+   launcher (bench/peers/ours.py: tiny's warm start, then one step at lr 1e-30), given to both sides;
 3. our run(s) from it: `tiny` as is (held-out evals every 10 steps) and, unless SMOKE, with
    coordinator.eval_every=0 (the training loop alone);
 4. TRL's GRPOTrainer from the same export on the same prompts in the same order (bench/peers/trl_side.py);
@@ -100,12 +100,20 @@ def check(t: TreeRun, what: str, log_path: Path) -> None:
 
 
 def make_export(root: Path) -> dict:
-    cmd = ours.export_command(root, SMOKE_SFT if SMOKE else None)
+    """The warm-started export, made once per $OUT: a later command with the same OUT (an earlier run's
+    runs/warm/hf/step_1 and its export.json there) starts from it again rather than spending the warm start anew."""
+    saved, sft = root / "export.json", SMOKE_SFT if SMOKE else None
+    if ours.warm_export(root).is_dir() and saved.exists() and json.loads(saved.read_text()).get("sft_steps") == sft:
+        log(f"warm start + export: reusing {ours.warm_export(root)} (delete {root / 'warm'} to make it again)")
+        return {**json.loads(saved.read_text()), "reused": True}
+    cmd = ours.export_command(root, sft)
     log(f"warm start + export: {' '.join(cmd[1:])}")
     t = run_tree(cmd, cwd=REPO, log_path=root / "warm.console", timeout_s=TIMEOUT_S)
     check(t, "the warm-start export run", root / "warm.console")
-    return {"wall_s": t.wall_s, "startup": ours.startup_profile(root / "warm", t.start, t.spawned),
+    made = {"sft_steps": sft, "wall_s": t.wall_s, "startup": ours.startup_profile(root / "warm", t.start, t.spawned),
             "peak_rss_gb": t.peak_rss_bytes / 1e9, "peak_processes": t.peak_processes}
+    saved.write_text(json.dumps(made))
+    return made
 
 
 def run_ours(root: Path, name: str, extra: list[str], i: int, samples_per_step: int, seed: int | None = None) -> dict:
@@ -139,7 +147,7 @@ def run_trl(root: Path, venv: Path, samples_per_step: int, seed: int | None = No
     # accelerate ask for MASTER_ADDR): TRL runs as the single process it is
     dist = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"}
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and k not in dist and not k.startswith("ACCELERATE_")}
-    env["OMP_NUM_THREADS"] = TRL_THREADS  # as every one of our actors (launch/run.py run_env's default)
+    env["OMP_NUM_THREADS"] = TRL_THREADS  # as every one of our actors (launch/local_ray.py run_env's default)
     log(f"TRL GRPOTrainer: {' '.join(cmd)}")
     console = root / f"trl{seed_tag(seed)}.console"
     t = run_tree(cmd, cwd=out, env=env, log_path=console, timeout_s=TIMEOUT_S)
@@ -222,7 +230,7 @@ def differences(rows: list[dict], peer: dict | None) -> list[str]:
         "smaller step).",
         "Optimizer state: both start from a fresh AdamW (torch.optim.AdamW) at the export; the recipe proper carries "
         "the warm start's Adam moments into RL.",
-        "Threads: every one of our actors runs with OMP_NUM_THREADS=1 (the launcher's default, launch/run.py "
+        "Threads: every one of our actors runs with OMP_NUM_THREADS=1 (the launcher's default, launch/local_ray.py "
         "run_env); TRL's one process ran with OMP_NUM_THREADS=" + TRL_THREADS
         + (f" (torch intra-op threads {peer['meta']['torch_threads']})" if peer else "")
         + " (PEERS_TRL_THREADS; torch's default is one per core).",
