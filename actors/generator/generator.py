@@ -41,11 +41,16 @@ log = structlog.get_logger("arctic_rl.generator")  # %-style calls format as in 
 
 
 ABORT_GRACE_S = 30.0  # after a pause timed out and aborted its requests, how long their groups may take
+# How long one read of the prompts stream blocks when nothing is there. A pause waits for the read under way
+# to return (what it takes must be handled before the engine sleeps), so this bounds every colocated step's
+# sleep handshake: at 200 ms it cost tiny a median 0.16 s a step (~13 % of its 1.2 s step on 2 cores). An idle
+# generator reads 50 times a second; a busy or paused one does not read at all.
+CONSUME_BLOCK_MS = 20
 
 
 class Generator:
     def __init__(self, engine: Engine, generator_cfg: Any, *, reclaim_idle_s: float = 30.0,
-                 stream_high_water: int = 4096, consume_block_ms: int = 200, tokenizer: Any = None):
+                 stream_high_water: int = 4096, consume_block_ms: int = CONSUME_BLOCK_MS, tokenizer: Any = None):
         self.engine = engine
         self.cfg = generator_cfg
         self._tokenizer = tokenizer  # multi-turn episodes: the observations' tokenizer (default: the engine's)
