@@ -6,7 +6,7 @@ Each actor of a run is a plain class (`Coordinator`, `Assembler`, `ScorerShell`,
 run's config.context.RunContext (run id, run dir, Redis URL, logging, stream settings) and what only
 it takes (a model path, its GPU ids, its rank). It sets up its logging from `ctx` in its constructor
 (observe.logs.setup_actor_logging) and reaches Redis through `ctx.redis_url` alone. The launcher
-(launch/place.py) builds every one with `spawn`; `ray_actor(cls)` is Ray's actor class (the
+builds every one with `spawn` (launch/create.py; the coordinator in launch/place.py); `ray_actor(cls)` is Ray's actor class (the
 preflight `Probe` uses it too).
 
 Invariants:

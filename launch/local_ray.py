@@ -12,6 +12,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from pathlib import Path
 
@@ -185,4 +186,8 @@ def start_ray(cfg: RunConfig, run_dir: Path, log) -> None:
                            num_gpus=cfg.cluster.gpus_per_node or None,
                            include_dashboard=cfg.cluster.dashboard and dashboard_available(log),
                            dashboard_host=cfg.cluster.dashboard_host, log_to_driver=False,
-                           _temp_dir=os.environ.get("ARL_RAY_TMP") or None)
+                           _temp_dir=os.environ.get("ARL_RAY_TMP") or None,
+                           # Ray's "Started a local Ray instance" line would come before a bad input's one-line
+                           # error (Ray starts while the inputs are built); the launcher's own `run started`
+                           # line names the dashboard.
+                           logging_level=logging.WARNING)
