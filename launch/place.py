@@ -171,8 +171,8 @@ def stop_actors(names: str, generators: list, scorers: list, assembler, learner,
                 timeout_s: float = 30.0) -> dict[str, Any]:
     """Ends a run's actors in order, before their placement groups go (and before ray.shutdown):
     the consumers stop pulling (generators, scorers, the assembler) and their loops return (bounded by
-    `timeout_s`: what is left is in Redis for a resumed run), the engines close (vLLM's engine core
-    exits with its own shutdown), then every actor of the run is killed with no_restart and none is
+    `timeout_s`: what is left is in Redis for a resumed run), the engines of those that answered close
+    (vLLM's engine core exits with its own shutdown; a frozen actor is not waited for twice), then every actor of the run is killed with no_restart and none is
     left alive. Removing a placement group under live restartable actors instead restarts them and
     fails their running tasks ("Task ... failed ... The actor was restarted" from the raylet) and can
     leave them pending in a cluster the run joined. Never raises (teardown goes on); logs one line."""
@@ -183,10 +183,14 @@ def stop_actors(names: str, generators: list, scorers: list, assembler, learner,
     out: dict[str, Any] = {"loops": len(loops)}
     try:
         stops = [a.stop.remote() for a in consumers]
-        ray.wait(stops, num_returns=len(stops), timeout=timeout_s)
+        answered, _ = ray.wait(stops, num_returns=len(stops), timeout=timeout_s)
         done, _ = ray.wait(loops, num_returns=len(loops), timeout=max(0.0, timeout_s - (time.monotonic() - t0)))
         out["loops_drained"] = len(done)
-        closes = [g.close.remote() for g in generators] + [s.close.remote() for s in scorers]
+        # An actor that did not answer its stop (frozen: the relaunch after an ActorCallTimeout) is not asked to
+        # close as well: that wait would run out too (2 x timeout_s before), and the kill below ends it.
+        live = {a for a, ref in zip(consumers, stops) if ref in set(answered)}
+        out["unresponsive"] = len(consumers) - len(live)
+        closes = [a.close.remote() for a in [*generators, *scorers] if a in live]
         ray.wait(closes, num_returns=len(closes), timeout=timeout_s)
         handles = [a for a in [*consumers, coordinator] if a is not None]
         for a in handles:

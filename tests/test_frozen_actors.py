@@ -326,3 +326,46 @@ def _seconds_to_next_step(coord_log, marker: str) -> float:
     end = next(ln for ln in lines[at:] if ln.get("event") == "step")
     stamp = lambda ln: datetime.fromisoformat(ln["timestamp"].replace("Z", "+00:00"))  # noqa: E731
     return (stamp(end) - stamp(lines[at])).total_seconds()
+
+
+class _Consumer:
+    """A generator's stand-in for the launcher's teardown: a loop that stop() ends, and close()."""
+
+    def __init__(self):
+        self.stopped = False
+
+    async def run(self):
+        while not self.stopped:
+            await asyncio.sleep(0.05)
+
+    async def stop(self):
+        self.stopped = True
+
+    async def close(self):
+        return None
+
+    def pid(self):
+        return os.getpid()
+
+
+def test_teardown_waits_once_for_a_sigstopped_consumer_and_leaves_no_actor(local_ray):
+    """launch.place.stop_actors after a freeze (the relaunch's teardown): a SIGSTOPped generator does not
+    answer its stop; it is not asked to close as well (that second wait, a whole timeout_s more, is what
+    every relaunch after a freeze spent), the live one closes, and both are killed: none is left."""
+    import ray
+    import structlog
+
+    from launch.place import stop_actors
+
+    cls = ray.remote(num_cpus=0)(_Consumer)
+    live, frozen = (cls.options(name=f"teardown:generator-{i}").remote() for i in range(2))
+    loops = [a.run.remote() for a in (live, frozen)]
+    pid = ray.get(frozen.pid.remote(), timeout=60)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        out = stop_actors("teardown", [live, frozen], [], None, None, None, loops, structlog.get_logger(), timeout_s=4.0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    assert out["unresponsive"] == 1 and out["loops_drained"] == 1 and out["alive"] == 0, out
+    assert out["s"] < 2 * 4.0, out  # one bound, not two
