@@ -21,7 +21,8 @@ Reported (JSON and markdown): per route, requests, p50 / p99 / max latency and s
 5xx and every client-side error (a timeout or a dropped connection counts as one: nothing is allowed to
 hang); the hostile clients' statuses and verdicts by kind; /healthz's p50 / p99 / max under the load (and
 how many answers took over 100 ms), its p50 / max on the idle service just before (what the machine's own
-load costs it), and the proxy's own /-/healthz beside it (no replica: the floor for any route). The verdict the
+load costs it), who answered it (Ray Serve's proxy itself or the health app's replica: the
+x-arl-healthz header), and the proxy's own /-/healthz beside it (no replica: the floor for any route). The verdict the
 bench gives (exit 0): no 5xx, no client error, each hostile request answered with a 4xx or a 200 whose
 verdict is not "ok" (the sandbox refused it or cut it short).
 """
@@ -138,25 +139,32 @@ def _probe(url: str, idle_until: float, stop_at: float, out) -> None:
     process), in a process of its own as a load balancer's or kubelet's probe is: the load generator's
     event loop is not in its latency. Each tick also GETs Ray Serve's proxy's own `/-/healthz` (answered
     in the proxy, no replica: the floor this machine gives any route). Puts ({"idle": [s], "load": [s],
-    "proxy_idle": [s], "proxy_load": [s]}, failures) on `out`."""
+    "proxy_idle": [s], "proxy_load": [s], "loadavg": [1-minute load average at each tick under load]},
+    failures, {who answered /healthz (its x-arl-healthz header): count}) on `out`."""
     import httpx
 
-    lat: dict[str, list[float]] = {"idle": [], "load": [], "proxy_idle": [], "proxy_load": []}
+    lat: dict[str, list[float]] = {"idle": [], "load": [], "proxy_idle": [], "proxy_load": [], "loadavg": []}
     failures: list[str] = []
+    by: dict[str, int] = {}
     with httpx.Client(base_url=url, timeout=CLIENT_TIMEOUT_S) as http:
         while time.monotonic() < stop_at:
             phase = "idle" if time.monotonic() < idle_until else "load"
+            if phase == "load":
+                lat["loadavg"].append(os.getloadavg()[0])
             for path, key in (("/healthz", phase), ("/-/healthz", f"proxy_{phase}")):
                 t = time.perf_counter()
                 try:
                     r = http.get(path)
                     if r.status_code != 200:
                         failures.append(f"{path} {r.status_code}")
+                    if path == "/healthz":
+                        who = r.headers.get("x-arl-healthz", "?")
+                        by[who] = by.get(who, 0) + 1
                 except Exception as e:  # noqa: BLE001
                     failures.append(f"{path} {type(e).__name__}")
                 lat[key].append(time.perf_counter() - t)
             time.sleep(HEALTHZ_EVERY_S)
-    out.put((lat, failures))
+    out.put((lat, failures, by))
 
 
 async def load(url: str, questions, clients: int, seconds: float, hostile_fraction: float = HOSTILE_FRACTION) -> dict:
@@ -181,23 +189,27 @@ async def load(url: str, questions, clients: int, seconds: float, hostile_fracti
                                for c in range(clients)))
         wall = time.perf_counter() - start
     try:
-        lat, health_fail = out.get(timeout=CLIENT_TIMEOUT_S + 60)  # its last request is bounded too
+        lat, health_fail, answered_by = out.get(timeout=CLIENT_TIMEOUT_S + 60)  # its last request is bounded too
     except queue.Empty:
-        lat, health_fail = {}, ["the /healthz probe process gave no result"]
+        lat, health_fail, answered_by = {}, ["the /healthz probe process gave no result"], {}
     prober.join(10)
     idle, healthz, proxy = lat.get("idle", []), lat.get("load", []), lat.get("proxy_load", [])
+    loadavg = lat.get("loadavg") or [os.getloadavg()[0]]
     routes = {}
     for route, lat in sorted(tally.lat.items()):
         routes[route] = {"n": len(lat), "p50_ms": round(1000 * percentile(lat, 0.5)), "p99_ms": round(1000 * percentile(lat, 0.99)),
                          "max_ms": round(1000 * max(lat)), "status": tally.status[route]}
     return {"clients": clients, "hostile_clients": n_hostile, "seconds": round(wall, 1),
             "requests": sum(len(v) for v in tally.lat.values()),
+            "loadavg_min_max": [round(min(loadavg), 1), round(max(loadavg), 1)],
             "rps": round(sum(len(v) for v in tally.lat.values()) / wall, 1), "routes": routes,
             "server_errors": tally.server_errors, "client_errors": tally.errors, "hostile": tally.hostile,
             "hostile_answered_ok": tally.hostile_ok,
             "healthz": {"n": len(healthz), "p50_ms": round(1000 * percentile(healthz, 0.5), 1) if healthz else None,
+                        "p90_ms": round(1000 * percentile(healthz, 0.9), 1) if healthz else None,
                         "p99_ms": round(1000 * percentile(healthz, 0.99), 1) if healthz else None,
                         "max_ms": round(1000 * max(healthz), 1) if healthz else None, "failures": health_fail,
+                        "answered_by": answered_by,
                         "idle_p50_ms": round(1000 * percentile(idle, 0.5), 1) if idle else None,
                         "idle_max_ms": round(1000 * max(idle), 1) if idle else None,
                         "over_100ms": sum(x > 0.1 for x in healthz),
@@ -209,13 +221,14 @@ async def load(url: str, questions, clients: int, seconds: float, hostile_fracti
 class Service:
     """`python -m launch.serve` in its own session; ready when it prints its `ready:` line."""
 
-    def __init__(self, model: Path, bird: Path, replicas: int, log_path: Path, start_timeout_s: float = 900.0):
+    def __init__(self, model: Path, bird: Path, replicas: int, log_path: Path, start_timeout_s: float = 900.0,
+                 extra_args: tuple[str, ...] = ()):
         self.port = _free_port()
         self.log = open(log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "launch.serve", "--model", str(model), "--bird-dir", str(bird), "--split", "dev",
              "--port", str(self.port), "--replicas", str(replicas), "--engine", "transformers", "--device", "cpu",
-             "--start-timeout", str(start_timeout_s)],
+             "--start-timeout", str(start_timeout_s), *extra_args],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
             env=dict(os.environ, PYTHONUNBUFFERED="1"))
         self.log_path = log_path
@@ -257,14 +270,17 @@ def markdown(results: list[dict]) -> str:
         for route, v in r["routes"].items():
             st = ", ".join(f"{k}: {n}" for k, n in sorted(v["status"].items()))
             out.append(f"| {r['replicas']} | {route} | {v['n']} | {v['p50_ms']} | {v['p99_ms']} | {v['max_ms']} | {st} |")
-    out += ["", "| replicas | clients (hostile) | seconds | requests/s | 5xx | client errors | /healthz p50 / p99 / max ms |"
-            " /healthz over 100 ms | /healthz idle p50 / max ms | proxy's /-/healthz p50 / p99 / max ms |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    out += ["", "| replicas | clients (hostile) | seconds | load avg (min-max) | requests/s | 5xx | client errors |"
+            " /healthz p50 / p90 / p99 / max ms | /healthz over 100 ms | answered by | /healthz idle p50 / max ms |"
+            " proxy's /-/healthz p50 / p99 / max ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         h = r["healthz"]
-        out.append(f"| {r['replicas']} | {r['clients']} ({r['hostile_clients']}) | {r['seconds']} | {r['rps']} | "
-                   f"{len(r['server_errors'])} | {len(r['client_errors'])} | {h['p50_ms']} / {h['p99_ms']} / {h['max_ms']} |"
-                   f" {h.get('over_100ms')} of {h['n']} | {h['idle_p50_ms']} / {h['idle_max_ms']} |"
+        lo, hi = r.get("loadavg_min_max") or ("?", "?")
+        by = ", ".join(f"{k}: {n}" for k, n in sorted((h.get("answered_by") or {}).items()))
+        out.append(f"| {r['replicas']} | {r['clients']} ({r['hostile_clients']}) | {r['seconds']} | {lo}-{hi} | {r['rps']} | "
+                   f"{len(r['server_errors'])} | {len(r['client_errors'])} | {h['p50_ms']} / {h.get('p90_ms')} / "
+                   f"{h['p99_ms']} / {h['max_ms']} | {h.get('over_100ms')} of {h['n']} | {by} |"
+                   f" {h['idle_p50_ms']} / {h['idle_max_ms']} |"
                    f" {h.get('proxy_p50_ms')} / {h.get('proxy_p99_ms')} / {h.get('proxy_max_ms')} |")
     out += ["", "| replicas | hostile request | answers (status verdict: count) |", "|---|---|---|"]
     for r in results:
@@ -282,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", default="1,2")
     p.add_argument("--hostile-fraction", type=float, default=HOSTILE_FRACTION)
     p.add_argument("--work-dir", default="")
+    p.add_argument("--serve-arg", action="append", default=[],
+                   help="one more argument for launch.serve, e.g. --serve-arg=--replica-nice=0 (repeatable)")
     add_report_args(p)
     a = p.parse_args(argv)
     from tasks.bird import load_split
@@ -297,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     questions = load_split(bird, "dev")
     results = []
     for replicas in [int(x) for x in a.replicas.split(",")]:
-        svc = Service(model, bird, replicas, work / f"serve-{replicas}.log")
+        svc = Service(model, bird, replicas, work / f"serve-{replicas}.log", extra_args=tuple(a.serve_arg))
         try:
             r = asyncio.run(load(svc.url, questions, a.clients, a.seconds, a.hostile_fraction))
         finally:
@@ -305,12 +323,16 @@ def main(argv: list[str] | None = None) -> int:
         r.update(replicas=replicas, service_rc=r_rc, problems=[])
         r["problems"] = verdict(r)
         results.append(r)
+        h = r["healthz"]
         print(f"replicas={replicas}: {r['requests']} requests, {r['rps']} req/s, 5xx {len(r['server_errors'])}, "
-              f"client errors {len(r['client_errors'])}, healthz max {r['healthz']['max_ms']} ms, "
+              f"client errors {len(r['client_errors'])}, /healthz p50/p90/p99/max {h['p50_ms']}/{h['p90_ms']}/"
+              f"{h['p99_ms']}/{h['max_ms']} ms ({h['over_100ms']} of {h['n']} over 100 ms), /-/healthz p50/p99/max "
+              f"{h['proxy_p50_ms']}/{h['proxy_p99_ms']}/{h['proxy_max_ms']} ms, load {r['loadavg_min_max']}, "
               f"problems {r['problems'][:3]}", flush=True)
     load_avg = os.getloadavg()
     head = (f"machine: {os.cpu_count()}-core CPU, load average {load_avg[0]:.1f} at the end, "
-            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {a.clients} clients for {a.seconds:g} s each")
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {a.clients} clients for {a.seconds:g} s each"
+            + (f", launch.serve {' '.join(a.serve_arg)}" if a.serve_arg else ""))
     md = head + "\n\n" + markdown(results)
     print(md)
     write_reports(a, {"head": head, "results": results}, md)

@@ -7,8 +7,8 @@
 Routes: `POST /v1/sql` {"question", "db_id", "evidence"?, "execute"?, "max_turns"?} -> the SQL (and with execute the
 rows, row-capped, or a verdict-style error) and timings; `POST /v1/execute` {"db_id", "sql"} runs SQL
 only; `GET /v1/databases` the db_ids with their tables and columns; `GET /v1/stats` this replica's
-counters (and pid); `GET /healthz` (an application of its own, launch/serve_health.py: it never waits
-behind generation or SQL); `GET /` a page to try it by hand (launch/serve_page.py); the OpenAI-compatible
+counters (and pid, nice); `GET /healthz` (answered in Ray Serve's proxy itself, or by an application of
+its own, launch/serve_health.py: it never waits behind generation or SQL); `GET /` a page to try it by hand (launch/serve_page.py); the OpenAI-compatible
 `GET /v1/models` and `POST /v1/chat/completions` (launch/serve_openai.py). Result rows come with
 their `columns`.
 
@@ -24,10 +24,11 @@ Invariants:
 - Who gets in: --host other than loopback is refused (one line, exit 2, before anything else is checked)
   unless an API key is set (ARL_API_KEY or --api-key); with a key, every route but /healthz answers 401
   {"error": ...} unless the request carries `Authorization: Bearer <key>` (launch/serve_http.py). Every
-  route of this app needs it: the proxy sends /healthz to the health app (launch/serve_health.py).
+  route of this app needs it: /healthz is answered in the proxy or by the health app (launch/serve_health.py).
 - Health: Ray Serve's controller calls `check_health` on every replica (`health_check_period_s`,
   `health_check_timeout_s`): a replica whose sandbox pool is gone, or that does not answer in time, is
-  replaced; /healthz reports the replicas the controller counts RUNNING.
+  replaced; /healthz reports the replicas the controller counts RUNNING. A model replica runs
+  `replica_nice` nice levels below the proxy (launch/serve_life.py lower_priority), its SQL workers too.
 - Bad input is a 4xx with {"error": "<one line naming the field>"}: 400 bad JSON, 413 a body over the
   cap, 422 a missing or ill-typed field or an over-long question/prompt, 404 an unknown db_id or route,
   405 a wrong method. An
@@ -52,7 +53,8 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from launch.serve_health import HEALTH_APP, HEALTH_PREFIX, build_health
+from launch.serve_health import (HEALTH_APP, HEALTH_PREFIX, MODEL_APP, MODEL_DEPLOYMENT, build_health, proxy_answers,
+                                  proxy_env)
 from launch.serve_http import (  # noqa: F401  (re-exported: tests and callers import them from here)
     MAX_BODY_BYTES,
     RequestError,
@@ -66,7 +68,7 @@ from launch.serve_http import (  # noqa: F401  (re-exported: tests and callers i
 )
 from observe.logs import setup_actor_logging
 
-APP_NAME = "arl-sql"
+APP_NAME = MODEL_APP
 
 
 app = FastAPI(title="arctic-rl text-to-SQL", docs_url=None, redoc_url=None, openapi_url=None)
@@ -104,7 +106,7 @@ async def _authorize(request: Request, call_next):
 MAX_TURNS = 8  # /v1/sql's max_turns at most
 
 
-@serve.deployment(name="SqlService")
+@serve.deployment(name=MODEL_DEPLOYMENT)
 @serve.ingress(app)
 class SqlService:
     def __init__(self, opts: dict):
@@ -112,9 +114,10 @@ class SqlService:
         from tasks.bird import read_schema, schema_text
         from tasks.sql_pool import SqlPool
 
-        from launch.serve_life import replica_grpc_on_loopback
+        from launch.serve_life import lower_priority, replica_grpc_on_loopback
 
         self.opts = ServeOptions(**opts)
+        self.nice = lower_priority(self.opts.replica_nice)  # first: its threads and SQL workers inherit it
         self.log = setup_actor_logging("serve")
         replica_grpc_on_loopback()
         self.dbs = find_databases(self.opts.bird_dir, self.opts.split)
@@ -298,7 +301,8 @@ class SqlService:
 
     @app.get("/v1/stats")
     async def stats(self) -> JSONResponse:
-        return JSONResponse({**self.counters, **self.engine.stats(), "pid": os.getpid(), "sql_queries": self.pool.queries,
+        return JSONResponse({**self.counters, **self.engine.stats(), "pid": os.getpid(), "nice": self.nice,
+                             "sql_queries": self.pool.queries,
                              "sql_workers": self.pool.workers, "sql_peak_workers": self.pool.peak_workers,
                              "sql_queue_wait_s": round(self.pool.queue_wait_s, 4)})
 
@@ -319,9 +323,10 @@ def build_app(opts: ServeOptions, replicas: int = 1, actor_options: dict | None 
 
 def start(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, replicas: int = 1,
           actor_options: dict | None = None, timeout_s: float = 600.0, deployment_options: dict | None = None) -> str:
-    """Deploys the model app at `/`, then the health app at `/healthz`, on the connected Ray cluster and
-    waits (bounded) until both answer; returns the URL. The deploy runs in a daemon thread, so an
-    interrupt while it waits never leaves the process waiting on it at exit."""
+    """Deploys the model app at `/` on the connected Ray cluster, then waits (bounded) until /healthz
+    answers 200 from Ray Serve's proxy (launch/serve_health.py ProxyHealthz) or, where the proxy does not
+    answer it, deploys the health app at `/healthz`; returns the URL. The deploy runs in a daemon
+    thread, so an interrupt while it waits never leaves the process waiting on it at exit."""
     import threading
 
     serve.start(http_options={"host": host, "port": port, "request_timeout_s": opts.request_timeout_s + 60})
@@ -331,7 +336,8 @@ def start(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, replica
         try:
             serve.run(build_app(opts, replicas, actor_options, deployment_options=deployment_options),
                       name=APP_NAME, route_prefix="/")
-            serve.run(build_health(APP_NAME, "SqlService", opts), name=HEALTH_APP, route_prefix=HEALTH_PREFIX)
+            if not proxy_answers(host, port, timeout_s):
+                serve.run(build_health(APP_NAME, MODEL_DEPLOYMENT, opts), name=HEALTH_APP, route_prefix=HEALTH_PREFIX)
             outcome.append(None)
         except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
             outcome.append(e)
@@ -348,9 +354,11 @@ def start(opts: ServeOptions, host: str = "127.0.0.1", port: int = 8000, replica
 
 def main(argv: list[str] | None = None) -> int:
     """The CLI (launch/serve_life.py: checks, our own Ray, the service, a clean stop)."""
+    import functools
+
     from launch.serve_life import main as cli
 
-    return cli(argv, start)
+    return cli(argv, start, functools.partial(proxy_env, MODEL_APP, MODEL_DEPLOYMENT))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,23 @@
-"""launch.serve's `GET /healthz`: a Ray Serve application of its own, so a probe never waits behind inference.
+"""launch.serve's `GET /healthz`: answered in Ray Serve's HTTP proxy itself, or by an application of its own,
+never by a model replica, so a probe never waits behind inference.
 
 The model replicas (launch/serve.py's SqlService) run generation and SQL; a route of theirs waits for
 their CPU, their event loop and their request queue (measured under 64 clients: /healthz p50 434 ms,
-max 2.3 s). This deployment (`HealthProbe`, app `arl-sql-health`, route prefix `/healthz`, no CPU
-reserved) answers from memory what Ray Serve's controller last said about the model deployment; a
-daemon thread asks the controller for its status (what `serve.status()` reads) every `health_poll_s`. The proxy sends /healthz
-here by its longest-prefix rule and every other path to the model app at `/`.
+max 2.3 s). Even a replica that does no work costs a hop from the proxy (its event loop, Ray's core
+worker and gRPC, the replica's loop and back: p99 0.5-1.5 s on the loaded 2 cores, against 40-150 ms for
+a route the proxy answers itself; docs/RELIABILITY.md). So /healthz is answered where it arrives:
+- In the proxy (`ProxyHealthz`, an ASGI middleware), when the proxy was started with our callback:
+  Ray Serve's proxy calls `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` (`proxy_middlewares`) once at its
+  start and wraps its app in what it returns; `proxy_env` gives those variables (and our settings, under
+  ARL_SERVE_HEALTHZ), which the proxy inherits when they are in the environment before Ray starts, as
+  launch.serve's CLI sets them for the cluster it starts. Its answers carry `x-arl-healthz: proxy`.
+- Otherwise (a cluster joined with --ray-address, a proxy started without the callback) by the
+  `HealthProbe` deployment (app `arl-sql-health`, route prefix `/healthz`, no CPU reserved), which the
+  proxy sends /healthz to by its longest-prefix rule; `x-arl-healthz: replica`. launch/serve.py's
+  `start` asks /healthz once after the model app is up and deploys this app only when the proxy did
+  not answer it.
+Both answer from memory (`HealthState`: a daemon thread asks the controller for its status, what
+`serve.status()` reads, every `health_poll_s`) with the same rule and the same bodies.
 
 What it checks, and its invariant:
 - 200 {"status": "ok", "model", "databases", "replicas": {state: count}, "deployment", "status_age_s"}
@@ -19,14 +31,16 @@ What it checks, and its invariant:
   and the last error), the app not deployed, or no RUNNING replica (the states and the controller's
   message). So /healthz is as fresh as `health_poll_s` plus the controller's own health-check bounds,
   and a busy replica (answering its health check, slow on requests) is alive, as a liveness probe means.
-- Like the model replicas, this one binds Serve's inter-deployment gRPC server to loopback on our own
-  cluster (launch/serve_life.py replica_grpc_on_loopback).
+- Like the model replicas, the HealthProbe replica binds Serve's inter-deployment gRPC server to
+  loopback on our own cluster (launch/serve_life.py replica_grpc_on_loopback).
 - /healthz never needs the API key (probes carry none); any other path under the prefix does, exactly
   as every route of the model app (401, launch/serve_http.py auth_refusal), and is then a 404; a method
   other than GET/HEAD on /healthz is a 405. Bodies are one line under "error", as everywhere.
 """
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 from typing import Any
@@ -37,9 +51,14 @@ from starlette.responses import JSONResponse, Response
 
 from launch.serve_http import _error, auth_refusal, find_databases
 
+MODEL_APP, MODEL_DEPLOYMENT = "arl-sql", "SqlService"  # launch/serve.py's application and deployment
 HEALTH_APP = "arl-sql-health"
 HEALTH_PREFIX = "/healthz"
-FIRST_STATUS_S = 30.0  # the constructor waits at most this for the controller's first answer
+FIRST_STATUS_S = 30.0  # the HealthProbe's constructor waits at most this for the controller's first answer
+ANSWERED_BY = "x-arl-healthz"  # response header: "proxy" or "replica"
+PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"  # read by Ray Serve's proxy at its start
+PROXY_CALLBACK = "launch.serve_health:proxy_middlewares"
+SETTINGS_ENV = "ARL_SERVE_HEALTHZ"  # JSON: what ProxyHealthz answers about (proxy_env)
 
 
 def _name(v: Any) -> str:
@@ -91,6 +110,62 @@ def verdict(summary: dict | None, polled: bool, age_s: float, max_age_s: float, 
                  "status_age_s": round(age_s, 3)}
 
 
+class HealthState:
+    """The controller's last word on the model deployment: a daemon thread asks every `poll_s` (the
+    first answer waited for at most `first_wait_s`); `answer()` is /healthz's (status, body) from memory.
+    `details` is what it asks (controller_details; a stand-in in tests)."""
+
+    def __init__(self, app: str, deployment: str, info: dict, poll_s: float = 1.0, max_age_s: float = 15.0,
+                 first_wait_s: float = 0.0, details=controller_details):
+        self._details = details
+        self.app, self.deployment, self.info, self.poll_s, self.max_age_s = app, deployment, info, poll_s, max_age_s
+        self.summary: dict | None = None
+        self.polled_at: float | None = None  # time.monotonic() of the last answer from the controller
+        self.last_error = ""
+        self._first, self._stop = threading.Event(), threading.Event()
+        threading.Thread(target=self._poll, name="healthz-poll", daemon=True).start()
+        self._first.wait(first_wait_s)  # bounded; without an answer /healthz says so (503)
+
+    def _poll(self) -> None:
+        from queues.errors import one_line
+
+        while not self._stop.is_set():
+            try:
+                summary = summarize(self._details(), self.app, self.deployment)
+                self.summary, self.polled_at, self.last_error = summary, time.monotonic(), ""
+            except Exception as e:  # noqa: BLE001  (the controller away: the status ages, /healthz says so)
+                self.last_error = one_line(e)
+            self._first.set()
+            self._stop.wait(self.poll_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def answer(self) -> tuple[int, dict]:
+        age = time.monotonic() - self.polled_at if self.polled_at is not None else 0.0
+        code, body = verdict(self.summary, self.polled_at is not None, age, self.max_age_s, self.last_error,
+                             self.app, self.deployment)
+        if code == 200:
+            body = {"status": "ok", **self.info, **{k: v for k, v in body.items() if k != "status"}}
+        return code, body
+
+
+def respond(state: HealthState, digest: str, method: str, path: str, authorization: str | None,
+            answered_by: str) -> Response:
+    """The response to `method path` (a path under HEALTH_PREFIX, the prefix included) by the module's rules."""
+    if path.rstrip("/") != HEALTH_PREFIX:  # /healthz/<anything>: the key rule, then 404
+        why = auth_refusal(digest, authorization)
+        if why:
+            response = _error(401, why)
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
+        return _error(404, f"Not Found: {method} {path}")
+    if method not in ("GET", "HEAD"):
+        return _error(405, f"Method Not Allowed: {method} {path}")
+    code, body = state.answer()
+    return JSONResponse(body, status_code=code, headers={ANSWERED_BY: answered_by})
+
+
 @serve.deployment(name="HealthProbe", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
 class HealthProbe:
     def __init__(self, app: str, deployment: str, model: str, bird_dir: str, split: str, api_key_sha256: str,
@@ -98,50 +173,84 @@ class HealthProbe:
         from launch.serve_life import replica_grpc_on_loopback
 
         replica_grpc_on_loopback()  # this replica's gRPC server too: the proxy stays the one exposed socket
-        self.app, self.deployment, self.poll_s, self.max_age_s = app, deployment, poll_s, max_age_s
-        self.info = {"model": model, "databases": len(find_databases(bird_dir, split))}
         self.digest = api_key_sha256
-        self.summary: dict | None = None
-        self.polled_at: float | None = None  # time.monotonic() of the last answer from the controller
-        self.last_error = ""
-        self._first, self._stop = threading.Event(), threading.Event()
-        threading.Thread(target=self._poll, name="healthz-poll", daemon=True).start()
-        self._first.wait(FIRST_STATUS_S)  # bounded; without an answer /healthz says so (503)
-
-    def _poll(self) -> None:
-        from queues.errors import one_line
-
-        while not self._stop.is_set():
-            try:
-                summary = summarize(controller_details(), self.app, self.deployment)
-                self.summary, self.polled_at, self.last_error = summary, time.monotonic(), ""
-            except Exception as e:  # noqa: BLE001  (the controller away: the status ages, /healthz says so)
-                self.last_error = one_line(e)
-            self._first.set()
-            self._stop.wait(self.poll_s)
+        self.state = HealthState(app, deployment, {"model": model, "databases": len(find_databases(bird_dir, split))},
+                                 poll_s, max_age_s, first_wait_s=FIRST_STATUS_S)
 
     def __del__(self):
-        self._stop.set()
+        state = getattr(self, "state", None)
+        if state is not None:
+            state.stop()
 
     async def __call__(self, request: Request) -> Response:
         path = request.scope.get("path", "")
         root = request.scope.get("root_path", "")
-        rest = (path[len(root):] if root and path.startswith(root) else path).rstrip("/")
-        if rest not in ("", HEALTH_PREFIX):  # /healthz/<anything>: the key rule, then 404
-            why = auth_refusal(self.digest, request.headers.get("authorization"))
-            if why:
-                response = _error(401, why)
-                response.headers["WWW-Authenticate"] = "Bearer"
-                return response
-            return _error(404, f"Not Found: {request.method} {path}")
-        if request.method not in ("GET", "HEAD"):
-            return _error(405, f"Method Not Allowed: {request.method} {path}")
-        age = time.monotonic() - self.polled_at if self.polled_at is not None else 0.0
-        code, body = verdict(self.summary, self.polled_at is not None, age, self.max_age_s, self.last_error,
-                             self.app, self.deployment)
-        if code == 200:
-            body = {"status": "ok", **self.info, **{k: v for k, v in body.items() if k != "status"}}
-        return JSONResponse(body, status_code=code)
+        rest = (path[len(root):] if root and path.startswith(root) else path) or HEALTH_PREFIX
+        if not rest.startswith(HEALTH_PREFIX):  # the proxy strips nothing here; a root path may be cut off
+            rest = HEALTH_PREFIX + rest
+        return respond(self.state, self.digest, request.method, rest, request.headers.get("authorization"), "replica")
+
+
+class ProxyHealthz:
+    """ASGI middleware in Ray Serve's proxy: /healthz and paths under it answered there (no replica
+    hop), every other request passed on untouched. Its settings come from ARL_SERVE_HEALTHZ."""
+
+    def __init__(self, app, settings: dict | None = None, details=controller_details):
+        cfg = settings if settings is not None else json.loads(os.environ[SETTINGS_ENV])
+        self.app, self.digest = app, cfg["api_key_sha256"]
+        self.state = HealthState(cfg["app"], cfg["deployment"], {"model": cfg["model"], "databases": cfg["databases"]},
+                                 cfg["poll_s"], cfg["max_age_s"], details=details)
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "") if scope.get("type") == "http" else ""
+        if path != HEALTH_PREFIX and not path.startswith(HEALTH_PREFIX + "/"):
+            await self.app(scope, receive, send)
+            return
+        auth = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"authorization"), None)
+        await respond(self.state, self.digest, scope.get("method", "GET"), path, auth, "proxy")(scope, receive, send)
+
+
+def proxy_middlewares() -> list:
+    """PROXY_CALLBACK: Ray Serve's proxy calls it once at its start; ProxyHealthz when our settings are set."""
+    from starlette.middleware import Middleware
+
+    return [Middleware(ProxyHealthz)] if os.environ.get(SETTINGS_ENV) else []
+
+
+def proxy_env(app: str, deployment: str, opts, databases: int) -> dict[str, str]:
+    """The variables that make a proxy started after them (its Ray cluster started after them, so
+    that its processes inherit them) answer /healthz itself for `app`'s `deployment`; {} when the
+    environment already names another proxy callback (the HealthProbe app answers then)."""
+    if os.environ.get(PROXY_CALLBACK_ENV, PROXY_CALLBACK) != PROXY_CALLBACK:
+        return {}
+    settings = {"app": app, "deployment": deployment, "model": opts.model, "databases": databases,
+                "api_key_sha256": opts.api_key_sha256, "poll_s": opts.health_poll_s, "max_age_s": opts.health_max_age_s}
+    return {PROXY_CALLBACK_ENV: PROXY_CALLBACK, SETTINGS_ENV: json.dumps(settings)}
+
+
+def proxy_answers(host: str, port: int, timeout_s: float = 60.0) -> bool:
+    """Whether the proxy at host:port answers /healthz itself: True once it does with a 200 (bounded:
+    TimeoutError with its last answer after `timeout_s`), False at once when another answers or none."""
+    import urllib.error
+    import urllib.request
+
+    h = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    url = f"http://{f'[{h}]' if ':' in h else h}:{port}{HEALTH_PREFIX}"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never an HTTP proxy of the environment
+    deadline, last = time.monotonic() + timeout_s, ""
+    while True:
+        try:
+            with opener.open(url, timeout=max(1.0, timeout_s)) as r:
+                return r.headers.get(ANSWERED_BY) == "proxy"
+        except urllib.error.HTTPError as e:
+            if e.headers.get(ANSWERED_BY) != "proxy":
+                return False
+            last = f"{e.code} {e.read().decode(errors='replace')[:300]}"
+        except OSError:
+            return False
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"/healthz, answered by Ray Serve's proxy, still said {last} after {timeout_s:g} s")
+        time.sleep(0.2)
 
 
 def build_health(app: str, deployment: str, opts) -> Any:

@@ -49,6 +49,7 @@ class ServeOptions:
     api_key_sha256: str = ""  # "" -> no key: every route is open (loopback only, see host_refusal)
     health_poll_s: float = 1.0  # /healthz asks Ray Serve's controller this often (launch/serve_health.py)
     health_max_age_s: float = 15.0  # an older answer is a 503
+    replica_nice: int = 10  # model replicas this many nice levels below the proxy and /healthz (serve_life)
 
 
 class RequestError(Exception):

@@ -14,6 +14,13 @@ Invariants:
   the CLI installs it again after; during ray.init that exit still runs the same `finally`).
 - In a replica of our own (loopback) cluster, Serve's inter-deployment gRPC server binds 127.0.0.1
   (`replica_grpc_on_loopback`): with --host beyond loopback, the proxy is the one socket exposed.
+- A cluster of our own is started with `cluster_env` (launch/serve_health.py's `proxy_env`) in the
+  environment, so its Ray Serve proxy answers /healthz itself (no hop to a replica); a joined cluster
+  (--ray-address) gets the health app instead (launch/serve.py start).
+- A model replica runs `--replica-nice` (default 10) nice levels below the rest of the service
+  (`lower_priority`, from its constructor: every thread of it, and so its generation threads and its
+  sandbox worker processes): on a host with no spare core, Ray Serve's proxy, its controller and the
+  /healthz replica preempt generation and runaway SQL instead of queueing behind them.
 - `stop` ignores further Ctrl-C/SIGTERM while it runs (a second Ctrl-C cannot cut the clean-up short),
   shuts Serve down only when Ray is up (serve.shutdown() on no Ray would start a new local one), shuts
   Ray down, waits a bounded time for every process this one started to exit, kills the rest by pid,
@@ -71,6 +78,30 @@ def replica_grpc_on_loopback() -> bool:
     return True
 
 
+def lower_priority(steps: int) -> int:
+    """Every thread of this process `steps` nice levels lower in priority (at most 19), so every thread
+    and child process started from it later too (on Linux nice is per thread and a new thread or process
+    inherits its creator's); returns the calling thread's nice after. A CPU-bound replica niced so yields
+    the CPU to the service's light processes at once (they stay at the launcher's level), and still gets
+    all of it when they sleep. Only ever lowers (raising needs privileges)."""
+    if steps <= 0:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+    done: set[int] = set()
+    while True:  # again while threads appear meanwhile (one created by a thread not yet lowered)
+        try:
+            tids = {int(t) for t in os.listdir("/proc/self/task")}
+        except OSError:  # no /proc (macOS): there the nice value is the process's
+            tids = {0}
+        if tids <= done:
+            return os.getpriority(os.PRIO_PROCESS, 0)
+        for tid in tids - done:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + steps))
+            except OSError:  # a thread that ended meanwhile
+                pass
+        done |= tids
+
+
 def interrupt_on_sigterm() -> None:
     def _raise(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
@@ -114,9 +145,10 @@ def stop(temp_dir: str | None, wait_s: float = 15.0) -> list[int]:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def main(argv: list[str] | None, start) -> int:
+def main(argv: list[str] | None, start, cluster_env=None) -> int:
     """The CLI; `start(opts, host, port, replicas, actor_options, timeout_s) -> url` deploys the service
-    on the connected Ray (launch/serve.py's, passed in: this module never imports that one)."""
+    on the connected Ray, and `cluster_env(opts, databases) -> {name: value}` is the environment a cluster
+    we start gets (launch/serve.py's, passed in: this module never imports that one)."""
     from launch.serve_http import ServeOptions, find_databases, host_refusal, key_digest
     from observe.logs import quiet_cpu_host
 
@@ -141,6 +173,9 @@ def main(argv: list[str] | None, start) -> int:
     p.add_argument("--sql-workers", type=int, default=2, help="sandbox worker processes per replica")
     p.add_argument("--sql-max-workers", type=int, default=8,
                    help="the sandbox pool grows to this while every worker is busy (runaway queries)")
+    p.add_argument("--replica-nice", type=int, default=10,
+                   help="model replicas (generation, their SQL workers) run this many nice levels below the "
+                   "proxy and /healthz, which then answer at once on a busy host (0: the same level)")
     p.add_argument("--gpus-per-replica", type=float, default=None, help="default 1 with vllm, 0 otherwise")
     p.add_argument("--ray-address", default="", help="join this cluster (default: start our own, local)")
     p.add_argument("--start-timeout", type=float, default=600.0)
@@ -155,6 +190,8 @@ def main(argv: list[str] | None, start) -> int:
     try:
         if args.replicas < 1 or args.max_batch_size < 1 or not 0 < args.port < 65536:
             raise ValueError("--replicas and --max-batch-size must be >= 1 and --port in 1..65535")
+        if not 0 <= args.replica_nice <= 19:
+            raise ValueError("--replica-nice must be in 0..19")
         if not 1 <= args.sql_workers <= args.sql_max_workers:
             raise ValueError("--sql-workers must be >= 1 and at most --sql-max-workers")
         read_settings(args.model)
@@ -173,18 +210,21 @@ def main(argv: list[str] | None, start) -> int:
 
         from launch.local_ray import init_local_ray, ray_on_loopback
 
+        opts = ServeOptions(model=str(Path(args.model).resolve()), bird_dir=str(Path(args.bird_dir).resolve()),
+                            split=args.split, engine=engine, device=args.device, max_batch_size=args.max_batch_size,
+                            batch_wait_s=args.batch_wait_s, max_tokens=args.max_tokens, sql_workers=args.sql_workers,
+                            sql_max_workers=args.sql_max_workers, api_key_sha256=key_digest(api_key),
+                            replica_nice=args.replica_nice)
         if args.ray_address:
             ray.init(address=args.ray_address)
         else:
             temp_dir = tempfile.mkdtemp(prefix="arl-serve-ray-")
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            # our cluster's proxy answers /healthz itself (launch/serve_health.py): its processes inherit these
+            os.environ.update(cluster_env(opts, len(dbs)) if cluster_env else {})
             with ray_on_loopback(True):  # Ray's own sockets on 127.0.0.1, as the training launcher's
                 init_local_ray(None, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
         interrupt_on_sigterm()  # again: ray.init installs its own handler (sys.exit(15), skipping the message)
-        opts = ServeOptions(model=str(Path(args.model).resolve()), bird_dir=str(Path(args.bird_dir).resolve()),
-                            split=args.split, engine=engine, device=args.device, max_batch_size=args.max_batch_size,
-                            batch_wait_s=args.batch_wait_s, max_tokens=args.max_tokens, sql_workers=args.sql_workers,
-                            sql_max_workers=args.sql_max_workers, api_key_sha256=key_digest(api_key))
         actor_options = {"num_cpus": args.cpus_per_replica}
         gpus = args.gpus_per_replica if args.gpus_per_replica is not None else float(engine == "vllm")
         if gpus:

@@ -11,6 +11,7 @@ import base64
 import concurrent.futures
 import hashlib
 import json
+import os
 import shutil
 import socket
 import time
@@ -86,8 +87,12 @@ def test_cli_bad_input_exits_2_before_starting_ray(tmp_path, capsys, monkeypatch
 
 def test_health_databases_and_page(service):
     client, _, _ = service
-    health = client.get("/healthz").json()  # the health app's answer (launch/serve_health.py)
+    r = client.get("/healthz")  # the health app's answer: this cluster's proxy was not started with ours
+    assert r.headers["x-arl-healthz"] == "replica"
+    health = r.json()
     assert health["status"] == "ok" and health["replicas"] == {"RUNNING": 1} and health["databases"] == 2
+    # the model replica and its SQL workers run 10 nice levels below the proxy (launch/serve_life.py)
+    assert client.get("/v1/stats").json()["nice"] == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)
     assert client.post("/healthz").status_code == 405
     dbs = client.get("/v1/databases").json()["databases"]
     assert len(dbs) == 2 and all(d["tables"] and d["tables"][0]["columns"] for d in dbs)

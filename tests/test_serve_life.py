@@ -150,7 +150,10 @@ def test_beyond_loopback_only_the_proxy_is_exposed_it_needs_the_key_and_sigterm_
         addrs = [a.address for nic in psutil.net_if_addrs().values() for a in nic
                  if a.family == socket.AF_INET and not a.address.startswith("127.")]
         base = f"http://{addrs[0] if addrs else '127.0.0.1'}:{port}"
-        assert httpx.get(base + "/healthz", timeout=60).status_code == 200
+        health = httpx.get(base + "/healthz", timeout=60)  # answered in the proxy (launch/serve_health.py)
+        assert health.status_code == 200 and health.headers["x-arl-healthz"] == "proxy", health.headers
+        assert httpx.get(base + "/healthz/x", timeout=60).status_code == 401
+        assert httpx.get(base + "/-/routes", timeout=60).json() == {"/": "arl-sql"}  # no health app
         r = httpx.get(base + "/v1/databases", timeout=60)
         assert r.status_code == 401 and r.json() == {"error": "missing API key: send the header 'Authorization: Bearer <key>'"}
         r = httpx.get(base + "/v1/databases", headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
@@ -162,3 +165,34 @@ def test_beyond_loopback_only_the_proxy_is_exposed_it_needs_the_key_and_sigterm_
     _assert_stopped_clean(proc, err, run["leftover"])
     alive = [pid for pid in tree - {proc.pid} if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
     assert alive == []
+
+
+def test_lower_priority_lowers_every_thread_and_what_they_start_later():
+    """In a process of its own (never this one): a thread started before the call, the calling thread,
+    and a child process started after it by the older thread all run `steps` nice levels lower."""
+    import json
+
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("per-thread nice values are Linux's")
+    code = (
+        "import json, os, subprocess, sys, threading\n"
+        "from launch.serve_life import lower_priority\n"
+        "base = os.getpriority(os.PRIO_PROCESS, 0)\n"
+        "go, out = threading.Event(), []\n"
+        "def older():\n"
+        "    go.wait()\n"
+        "    out.append(int(subprocess.run([sys.executable, '-c', 'import os; print(os.getpriority(os.PRIO_PROCESS, 0))'],\n"
+        "                                  capture_output=True, text=True).stdout))\n"
+        "t = threading.Thread(target=older)\n"
+        "t.start()\n"
+        "nice = lower_priority(3)\n"
+        "threads = sorted({os.getpriority(os.PRIO_PROCESS, int(x)) for x in os.listdir('/proc/self/task')})\n"
+        "go.set()\n"
+        "t.join()\n"
+        "print(json.dumps({'base': base, 'nice': nice, 'threads': threads, 'child': out[0]}))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    want = min(19, got["base"] + 3)
+    assert got["nice"] == want and got["threads"] == [want] and got["child"] == want, got

@@ -30,4 +30,5 @@ def test_hostile_clients_get_4xx_or_a_refusal_never_a_5xx(tmp_path):
     assert any(key.startswith("200 ") for v in answers.values() for key in v), answers  # hostile SQL: refused
     assert r["routes"]["POST /v1/sql"]["status"] == {"200": r["routes"]["POST /v1/sql"]["n"]}
     assert r["healthz"]["n"] > 0 and r["healthz"]["failures"] == []
+    assert set(r["healthz"]["answered_by"]) == {"proxy"}, r["healthz"]  # the CLI's proxy answers it, no replica
     assert rc == 0
