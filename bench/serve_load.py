@@ -22,7 +22,9 @@ Reported (JSON and markdown): per route, requests, p50 / p99 / max latency and s
 hang); the hostile clients' statuses and verdicts by kind; /healthz's p50 / p99 / max under the load (and
 how many answers took over 100 ms), its p50 / max on the idle service just before (what the machine's own
 load costs it), who answered it (Ray Serve's proxy itself or the health app's replica: the
-x-arl-healthz header), and the proxy's own /-/healthz beside it (no replica: the floor for any route). The verdict the
+x-arl-healthz header), the proxy's own /-/healthz beside it (no replica: the floor for any route), and
+how far the probe's own 0.25 s sleeps overran (its own wait for a CPU: the control), with every tick
+where either route took over 100 ms. The verdict the
 bench gives (exit 0): no 5xx, no client error, each hostile request answered with a 4xx or a 200 whose
 verdict is not "ok" (the sandbox refused it or cut it short).
 """
@@ -139,11 +141,13 @@ def _probe(url: str, idle_until: float, stop_at: float, out) -> None:
     process), in a process of its own as a load balancer's or kubelet's probe is: the load generator's
     event loop is not in its latency. Each tick also GETs Ray Serve's proxy's own `/-/healthz` (answered
     in the proxy, no replica: the floor this machine gives any route). Puts ({"idle": [s], "load": [s],
-    "proxy_idle": [s], "proxy_load": [s], "loadavg": [1-minute load average at each tick under load]},
+    "proxy_idle": [s], "proxy_load": [s], "loadavg": [1-minute load average at each tick under load],
+    "oversleep": [s the probe's own 0.25 s sleep overran under load: its own wait for a CPU, the control]},
     failures, {who answered /healthz (its x-arl-healthz header): count}) on `out`."""
     import httpx
 
-    lat: dict[str, list[float]] = {"idle": [], "load": [], "proxy_idle": [], "proxy_load": [], "loadavg": []}
+    lat: dict[str, list[float]] = {"idle": [], "load": [], "proxy_idle": [], "proxy_load": [], "loadavg": [],
+                                   "oversleep": []}
     failures: list[str] = []
     by: dict[str, int] = {}
     with httpx.Client(base_url=url, timeout=CLIENT_TIMEOUT_S) as http:
@@ -163,7 +167,10 @@ def _probe(url: str, idle_until: float, stop_at: float, out) -> None:
                 except Exception as e:  # noqa: BLE001
                     failures.append(f"{path} {type(e).__name__}")
                 lat[key].append(time.perf_counter() - t)
+            t = time.perf_counter()
             time.sleep(HEALTHZ_EVERY_S)
+            if phase == "load":
+                lat["oversleep"].append(time.perf_counter() - t - HEALTHZ_EVERY_S)
     out.put((lat, failures, by))
 
 
@@ -195,6 +202,8 @@ async def load(url: str, questions, clients: int, seconds: float, hostile_fracti
     prober.join(10)
     idle, healthz, proxy = lat.get("idle", []), lat.get("load", []), lat.get("proxy_load", [])
     loadavg = lat.get("loadavg") or [os.getloadavg()[0]]
+    over = lat.get("oversleep") or [0.0]
+    slow = [i for i, (a, b) in enumerate(zip(healthz, proxy)) if a > 0.1 or b > 0.1]
     routes = {}
     for route, lat in sorted(tally.lat.items()):
         routes[route] = {"n": len(lat), "p50_ms": round(1000 * percentile(lat, 0.5)), "p99_ms": round(1000 * percentile(lat, 0.99)),
@@ -215,7 +224,13 @@ async def load(url: str, questions, clients: int, seconds: float, hostile_fracti
                         "over_100ms": sum(x > 0.1 for x in healthz),
                         "proxy_p50_ms": round(1000 * percentile(proxy, 0.5), 1) if proxy else None,
                         "proxy_p99_ms": round(1000 * percentile(proxy, 0.99), 1) if proxy else None,
-                        "proxy_max_ms": round(1000 * max(proxy), 1) if proxy else None}}
+                        "proxy_max_ms": round(1000 * max(proxy), 1) if proxy else None,
+                        "probe_oversleep_p99_ms": round(1000 * percentile(over, 0.99), 1),
+                        "probe_oversleep_max_ms": round(1000 * max(over), 1),
+                        # every tick where /healthz or /-/healthz took over 100 ms: both (ms) and the
+                        # probe's own oversleep just after (ms): one stall of the host, or one route?
+                        "slow_ticks": [[round(1000 * healthz[i]), round(1000 * proxy[i]),
+                                        round(1000 * over[i]) if i < len(over) else None] for i in slow]}}
 
 
 class Service:
@@ -272,7 +287,8 @@ def markdown(results: list[dict]) -> str:
             out.append(f"| {r['replicas']} | {route} | {v['n']} | {v['p50_ms']} | {v['p99_ms']} | {v['max_ms']} | {st} |")
     out += ["", "| replicas | clients (hostile) | seconds | load avg (min-max) | requests/s | 5xx | client errors |"
             " /healthz p50 / p90 / p99 / max ms | /healthz over 100 ms | answered by | /healthz idle p50 / max ms |"
-            " proxy's /-/healthz p50 / p99 / max ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            " proxy's /-/healthz p50 / p99 / max ms | probe's own 0.25 s sleep overrun p99 / max ms |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         h = r["healthz"]
         lo, hi = r.get("loadavg_min_max") or ("?", "?")
@@ -281,7 +297,8 @@ def markdown(results: list[dict]) -> str:
                    f"{len(r['server_errors'])} | {len(r['client_errors'])} | {h['p50_ms']} / {h.get('p90_ms')} / "
                    f"{h['p99_ms']} / {h['max_ms']} | {h.get('over_100ms')} of {h['n']} | {by} |"
                    f" {h['idle_p50_ms']} / {h['idle_max_ms']} |"
-                   f" {h.get('proxy_p50_ms')} / {h.get('proxy_p99_ms')} / {h.get('proxy_max_ms')} |")
+                   f" {h.get('proxy_p50_ms')} / {h.get('proxy_p99_ms')} / {h.get('proxy_max_ms')} |"
+                   f" {h.get('probe_oversleep_p99_ms')} / {h.get('probe_oversleep_max_ms')} |")
     out += ["", "| replicas | hostile request | answers (status verdict: count) |", "|---|---|---|"]
     for r in results:
         for kind, counts in sorted(r["hostile"].items()):
