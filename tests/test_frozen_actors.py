@@ -19,6 +19,7 @@ from actors.coordinator.bounds import GROUP_SLACK_S, call_bound
 from actors.shell import ActorCallTimeout, call_within
 from config import RunContext, apply_overrides
 from config.recipes import get_recipe
+from tests.standins import LoopingConsumer
 
 
 def _cfg(*overrides: str):
@@ -328,21 +329,8 @@ def _seconds_to_next_step(coord_log, marker: str) -> float:
     return (stamp(end) - stamp(lines[at])).total_seconds()
 
 
-class _Consumer:
+class _Consumer(LoopingConsumer):
     """A generator's stand-in for the launcher's teardown: a loop that stop() ends, and close()."""
-
-    def __init__(self):
-        self.stopped = False
-
-    async def run(self):
-        while not self.stopped:
-            await asyncio.sleep(0.05)
-
-    async def stop(self):
-        self.stopped = True
-
-    async def close(self):
-        return None
 
     def pid(self):
         return os.getpid()

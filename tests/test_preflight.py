@@ -17,6 +17,7 @@ from config.placement import make_placement
 from launch.preflight import PreflightFailed, run_probes, simulated_cluster
 from launch.probe import Probe
 from config.recipes import get_recipe
+from tests.standins import LoopingConsumer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -145,21 +146,8 @@ def test_launcher_builds_the_plan_s_placement_fake_gpu_actors_stand_in(cluster_3
         remove_groups(groups)
 
 
-class _Looping(_StandIn):
+class _Looping(_StandIn, LoopingConsumer):
     """A stand-in with a consumer's loop (run until stop) and close: the generator's and scorer's shape."""
-
-    async def run(self, *args):
-        import asyncio
-
-        self.stopped = False
-        while not self.stopped:
-            await asyncio.sleep(0.05)
-
-    async def stop(self):
-        self.stopped = True
-
-    async def close(self):
-        return None
 
 
 class _LoopingStage(_Looping):
