@@ -42,6 +42,7 @@ from actors.assembler import Assembler  # noqa: E402
 from actors.coordinator.coordinator import Coordinator  # noqa: E402
 from actors.engines.simulated import SimulatedEngine  # noqa: E402
 from actors.generator.generator import Generator  # noqa: E402
+from weights.bucketed import Next, Start  # noqa: E402
 from weights.wire import SyncSummary  # noqa: E402
 from config import RunConfig, RunContext, apply_overrides  # noqa: E402
 from queues.messages import RolloutGroup, ScoredGroup, TrainBatch, codec, pack_ids  # noqa: E402
@@ -112,9 +113,9 @@ class SimLearner:
 
     async def send_weights(self, call):
         """The object store's sender steps (start / next / abort): one summary after `sync_s`."""
-        if call.op == "start":
-            self._version = call.args[0]
-        elif call.op == "next":
+        if isinstance(call.step, Start):
+            self._version = call.step.version
+        elif isinstance(call.step, Next):
             await asyncio.sleep(self.s.sync_s)
             return SyncSummary(version=self._version, num_buckets=1, num_tensors=0, nbytes=0)
         return None
@@ -124,7 +125,7 @@ class SimGenerator(Generator):
     """The real Generator; a sync's summary is the whole of a weight update here."""
 
     async def receive_weights(self, call):
-        message = call.args[0]
+        message = call.step.message  # weights.bucketed.Receive
         if isinstance(message, SyncSummary):
             await self.finish_weight_update(message.version)
             return message.version

@@ -7,7 +7,7 @@ Invariants:
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 
@@ -22,6 +22,12 @@ def expresses_shared_prefix(attn_implementation: str) -> bool:
     """Whether the implementation can run policies/prefix.py's shared rows (branch ids): flex and the
     dense mask can; flash / varlen cut a row into segments only."""
     return attn_implementation not in FLASH_ATTENTION_IMPLS and attn_implementation != VARLEN
+
+
+# The weight-sync transports, listed once: coordinator.weight_sync takes one of them (or auto), and
+# weights.strategy.REGISTRY holds one transport per kind (it refuses to import otherwise).
+WeightSyncKind = Literal["object_store", "cuda_ipc", "nccl"]
+WEIGHT_SYNC_KINDS: tuple[str, ...] = get_args(WeightSyncKind)
 
 
 class ConfigError(ValueError):
@@ -229,7 +235,7 @@ class CoordinatorConfig(_Section):
     prompts_per_step: int = 32
     # auto: what the placement implies (config/placement.py): cuda_ipc colocated on GPUs, nccl async on
     # GPUs, object_store on CPU; an explicit transport the placement cannot carry is a ConfigError
-    weight_sync: Literal["auto", "object_store", "cuda_ipc", "nccl"] = "auto"
+    weight_sync: Literal["auto"] | WeightSyncKind = "auto"
     weight_bucket_mb: int = 512
     checkpoint_every: int = 0  # 0: never (a final checkpoint is still written)
     keep_checkpoints: int = 3  # DeepSpeed checkpoints kept (newest, and always the latest; 0: all)

@@ -72,13 +72,14 @@ async def _sync_object_store(group) -> tuple[int, dict]:
     import ray
 
     from weights import ObjectStoreBucket, SyncSummary, payload_to_tensors
+    from weights.bucketed import Next, Start
     from weights.strategy import get_transport
 
     store = get_transport("object_store")
-    await group.send_weights(store.call("start", 1, 1 / 16))
+    await group.send_weights(store.call(Start(1, 1 / 16)))
     got, buckets = {}, 0
     while True:
-        message = await group.send_weights(store.call("next"))
+        message = await group.send_weights(store.call(Next()))
         if isinstance(message, SyncSummary):
             assert message.num_buckets == buckets
             return buckets, got

@@ -12,6 +12,7 @@ from actors.coordinator.coordinator import Coordinator
 from config import RunContext, apply_overrides
 from config.recipes import tiny
 from tasks.tiny_model import build_tiny
+from weights.nccl import Member
 from weights.strategy import get_transport
 
 def _learner_weights(shell) -> dict[str, torch.Tensor]:
@@ -108,7 +109,7 @@ def test_broadcast_sync_rebuilds_its_group_for_restarted_generators(tmp_path, lo
     # the other keeps generating); the next step's sync rebuilds the group with it.
     kill(gens[1])
     assert asyncio.run(coord.heal_generators(timeout_s=30)) == 1
-    assert ray.get(gens[1].receive_weights.remote(get_transport("nccl").call("member"))) is None  # in no group
+    assert ray.get(gens[1].receive_weights.remote(get_transport("nccl").call(Member()))) is None  # in no group
     check(2)
     train_and_sync(3)
     second = coord._broadcast_rdv

@@ -20,7 +20,10 @@ import torch
 from actors.engines.vllm_engine import VLLMEngine
 from actors.engines.vllm_worker import WeightLoaderExtension
 from weights import make_receiver
+from weights.bucketed import Receive
 from weights.endpoint import ReceiveEnd
+from weights.nccl import Join, Ranks, ReceiveAll, WorkerJoin
+from weights.protocol import to_worker
 from weights.strategy import get_transport
 from weights.broadcast import BroadcastSender
 from weights.ipc import (
@@ -235,13 +238,13 @@ async def test_broadcast_group_joined_by_fake_vllm_workers_over_gloo_one_rank_ea
     workers = [FakeWorker(0, "GPU-a"), FakeWorker(1, "GPU-b")]
     engine = fake_vllm_engine(workers)
     end = ReceiveEnd(None, lambda: engine)  # a generator's end of the transport, over the engine
-    assert (await end.handle(NCCL.call("ranks")))[0] == engine.num_workers() == 2
+    assert (await end.handle(NCCL.call(Ranks())))[0] == engine.num_workers() == 2
 
     async def join(rdv, first):
-        return await end.handle(NCCL.call("join", rdv, first))
+        return await end.handle(NCCL.call(Join(rdv, first)))
 
     async def receive(version):
-        reply, completed = await end.handle(NCCL.call("receive", version))
+        reply, completed = await end.handle(NCCL.call(ReceiveAll(version)))
         assert reply == completed
         return reply
 
@@ -253,7 +256,7 @@ def test_a_worker_whose_rank_does_not_fit_the_group_says_so_before_joining():
 
     rdv = Rendezvous(host="127.0.0.1", port=1, world_size=3, backend="gloo", timeout_s=1)
     with pytest.raises(WeightSyncError, match="needs rank 3 but the group's world_size is 3"):
-        FakeWorker(1, "GPU-b").arl_weights("nccl", "join", rdv.__dict__, 2)
+        FakeWorker(1, "GPU-b").arl_weights("nccl", to_worker(WorkerJoin(rdv, 2)))
 
 
 def test_the_merged_ipc_message_crosses_msgpack_as_pickled_bytes():
@@ -280,16 +283,16 @@ async def test_generator_shell_hands_fake_vllm_engines_the_messages_for_both_tra
     w = weights(5)
     workers = [FakeWorker(0, "GPU-a"), FakeWorker(1, "GPU-b")]
     shell = _generator_shell_over(fake_vllm_engine(workers))
-    assert await shell.receive_weights(NCCL.call("ranks")) == 2
+    assert await shell.receive_weights(NCCL.call(Ranks())) == 2
     # nccl (gloo here): each worker joins as its own rank, the shell ends the update and sets the version
-    assert await gloo_sync(workers, w, 3, lambda rdv, first: shell.receive_weights(NCCL.call("join", rdv, first)),
-                           lambda version: shell.receive_weights(NCCL.call("receive", version))) == 3
+    assert await gloo_sync(workers, w, 3, lambda rdv, first: shell.receive_weights(NCCL.call(Join(rdv, first))),
+                           lambda version: shell.receive_weights(NCCL.call(ReceiveAll(version)))) == 3
     assert shell._weights_in.halves[NCCL.key] == "engine" and shell.gen.version == 3 and not shell.needs_weights
     # cuda_ipc: the merged message goes to the engine as it came
     for worker in workers:
         worker.model_runner.model = FakeModel()
     ranks = [fake_rank_messages(w, 4, uuid, r, BUCKET_MB) for r, uuid in enumerate(["GPU-a", "GPU-b"])]
-    results = [await shell.receive_weights(IPC.call("receive", merge_ipc_buckets(list(step)))) for step in zip(*ranks)]
+    results = [await shell.receive_weights(IPC.call(Receive(merge_ipc_buckets(list(step))))) for step in zip(*ranks)]
     assert results[-1] == 4 and shell.gen.version == 4
     for worker in workers:
         assert_loaded(worker.model_runner.model, w)

@@ -6,6 +6,9 @@ import pytest
 from config import ConfigError, apply_overrides
 from config.recipes import get_recipe
 from weights import WeightSyncError
+from weights.bucketed import Abort, Next
+from weights.nccl import Export, Listen, Send
+from weights.protocol import SenderStep, WorkerStep
 from weights.strategy import REGISTRY, get_transport, transport_for
 
 
@@ -45,16 +48,24 @@ def test_an_unregistered_kind_and_the_removed_impl_key_are_one_line_errors():
 
 def test_fan_out_names_the_ranks_of_each_step_and_a_missing_step_is_one_line():
     store, ipc, nccl = (get_transport(k) for k in ("object_store", "cuda_ipc", "nccl"))
-    ranks = lambda t, op, zero=0: [(r, c.op) for r, c in t.fan_out(t.call(op), 4, zero)]  # noqa: E731
-    assert ranks(store, "next") == [(0, "next")]                           # rank 0 alone sends
-    assert ranks(store, "next", 3) == [(r, "next") for r in range(4)]      # ZeRO-3: every rank gathers
-    assert ranks(store, "abort") == [(r, "abort") for r in range(4)]       # an abort reaches every rank
-    assert ranks(ipc, "next") == [(r, "next") for r in range(4)]           # each rank its own GPU
-    assert ranks(nccl, "send") == [(0, "send")]
-    assert ranks(nccl, "send", 3) == [(0, "send")] + [(r, "export") for r in (1, 2, 3)]
-    assert ranks(nccl, "listen", 3) == [(0, "listen")]
-    for where, run in [("sender", lambda t: t.on_sender(None, t.call("fly"))),
-                       ("worker", lambda t: t.on_worker(None, "fly"))]:
+    ranks = lambda t, step, zero=0: [(r, type(c.step)) for r, c in t.fan_out(t.call(step), 4, zero)]  # noqa: E731
+    assert ranks(store, Next()) == [(0, Next)]                           # rank 0 alone sends
+    assert ranks(store, Next(), 3) == [(r, Next) for r in range(4)]      # ZeRO-3: every rank gathers
+    assert ranks(store, Abort()) == [(r, Abort) for r in range(4)]       # an abort reaches every rank
+    assert ranks(ipc, Next()) == [(r, Next) for r in range(4)]           # each rank its own GPU
+    assert ranks(nccl, Send(1)) == [(0, Send)]
+    assert ranks(nccl, Send(1), 3) == [(0, Send)] + [(r, Export) for r in (1, 2, 3)]
+    assert ranks(nccl, Listen(2, 1), 3) == [(0, Listen)]
+
+    class fly(SenderStep, frozen=True):  # a step no transport takes  # noqa: N801
+        pass
+
+    class fly_(WorkerStep, frozen=True, tag="fly"):  # noqa: N801
+        pass
+
+    for where, run in [("sender", lambda t: t.on_sender(None, fly())),
+                       ("worker", lambda t: t.on_worker(None, {"type": "fly"})),
+                       ("worker", lambda t: t.on_worker(None, fly_()))]:
         for t in (store, ipc, nccl):
             with pytest.raises(WeightSyncError, match=f"no {where} step 'fly'") as e:
                 run(t)

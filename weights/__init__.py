@@ -2,18 +2,19 @@
 
 A transport is ONE strategy object (a ``weights.protocol.Transport`` subclass) that says what happens
 at each of the four places a sync crosses: the coordinator (``sync``), the learner group (``fan_out``,
-``merge``), a learner rank (``on_sender``, its sender half) and a generator (``on_receiver``, its
-receiver half), plus inside an engine's worker processes (``on_worker``) for an engine that loads
-there (vLLM). ONE factory picks it from the resolved config (``weights.strategy.transport_for``:
-coordinator.weight_sync). The house around it has two verbs: the learner's ``send_weights(call)`` and
-the generator's ``receive_weights(call)`` (and the vLLM worker extension's ``arl_weights``), each
-forwarding a ``WeightsCall`` to its end (``weights.endpoint``).
+``merge``), a learner rank (its sender half), a generator (its receiver half) and, for an engine that
+loads in its own worker processes (vLLM), each worker. Each step is a typed message (``SenderStep``,
+``ReceiverStep``, ``WorkerStep``) whose ``run`` calls the strategy's method for it. ONE factory picks
+the strategy from the resolved config (``weights.strategy.transport_for``: coordinator.weight_sync).
+The house around it has two verbs: the learner's ``send_weights(call)`` and the generator's
+``receive_weights(call)`` (and the vLLM worker extension's ``arl_weights``), each forwarding a
+``WeightsCall`` (the transport's key and one step) to its end (``weights.endpoint``).
 
-**Adding a transport touches weights/ only, and no existing class:** one new module with its
-``Transport`` subclass (and, as the existing ones have, a sender and a receiver class: three new
-classes in all) plus one line in ``weights.strategy.REGISTRY``. No shell, engine, learner group or
-coordinator method changes. (Outside code, a user picks it by its kind, so a new kind is also a new
-value of the config's ``coordinator.weight_sync``.)
+**Adding a transport touches weights/ and the config's one list of kinds, and no existing class:**
+one new module with its ``Transport`` subclass, its steps and (as the existing ones have) a sender
+and a receiver class; its kind in ``config.schema.WeightSyncKind`` (what a user sets in
+``coordinator.weight_sync``); one line in ``weights.strategy.REGISTRY``, which refuses to import when
+the two disagree. No shell, engine, learner group or coordinator method changes.
 
 This module is the one name callers import (``import weights as weight_sync``); the code lives
 in one file per concern, each with its invariants in its docstring, and each name here is imported
@@ -23,14 +24,16 @@ from its module on first use (importing ``weights`` or ``weights.base`` imports 
   per dtype; flatten / unflatten / validate; messages and their schema).
 - ``base``: the counting both ends share (a partial sync never bumps the version; at most ~2 buckets
   held by the sender) and ``drive_bucketed_sync``, the coordinator's loop for per-bucket transports.
-- ``protocol``: the Transport shape, ``WeightsCall`` and the coordinator's ``Link``; ``strategy``:
-  the registry + factory; ``endpoint``: the learner rank's and the generator's ends.
+- ``protocol``: the Transport shape, the step bases, ``WeightsCall`` and the coordinator's ``Link``;
+  ``strategy``: the registry + factory; ``endpoint``: the learner rank's and the generator's ends.
+- ``bucketed``: the per-bucket protocol (steps Start / Next / Abort / Receive, its ``sync``) that
+  ``store`` and ``ipc`` share.
 - ``store``: the Ray object store (CPU, and the fallback).
 - ``ipc``: CUDA IPC on the same physical GPU; ``merge_ipc_buckets`` merges the learner ranks'
   buckets into one message with the handles keyed by device uuid, and each receiver (a vLLM worker,
   the transformers engine) opens only its own GPU's handle.
 - ``broadcast``: a private NCCL (GPU) / gloo (CPU) group, learner rank 0 sending; ``nccl``: that
-  transport's steps (the group built whole, rebuilt when a member is missing).
+  transport's strategy and steps (the group built whole, rebuilt when a member is missing).
 
 vLLM's own weight-transfer engines (``vllm.distributed.weight_transfer``) once stood behind the same
 halves; measured against ``ipc`` on the H200 they were 3.1x slower per sync at equal memory
@@ -44,14 +47,16 @@ from __future__ import annotations
 from typing import Any
 
 # name -> the module that defines it, imported on first use (PEP 562): `from weights.base import ...`
-# (the coordinator's path) loads weights.base and weights.wire only, never torch, CUDA IPC or NCCL.
+# (the coordinator's path) loads weights.base and weights.wire only; no module here imports torch at import.
 _HOMES = {
     "weights.base": ("ReceiverBase", "SenderBase", "drive_bucketed_sync", "maybe_await"),
+    "weights.bucketed": ("Abort", "BucketedTransport", "Next", "Receive", "Start"),
     "weights.broadcast": ("BroadcastReceiver", "BroadcastSender", "Rendezvous", "group_layout", "node_ip"),
     "weights.ipc": ("CudaIpcBucket", "CudaIpcReceiver", "CudaIpcSender", "device_uuid", "ipc_message_from_bytes",
                     "ipc_message_to_bytes", "load_ipc_bucket", "merge_ipc_buckets", "open_ipc_buffers",
                     "select_ipc_handles", "visible_cuda_uuids"),
-    "weights.protocol": ("Link", "Transport", "TransportKey", "WeightsCall", "verb"),
+    "weights.protocol": ("Link", "ReceiverStep", "SenderStep", "Transport", "TransportKey", "WeightsCall",
+                         "WorkerStep", "verb"),
     "weights.store": ("ObjectStoreBucket", "ObjectStoreReceiver", "ObjectStoreSender"),
     "weights.wire": ("DTYPES", "MB", "WEIGHT_SYNC_SCHEMA", "BucketPlan", "Expected", "ExportWeights", "LoadWeights",
                      "NamedTensors", "SyncAbort", "SyncMessage", "SyncSummary", "TensorMeta", "WeightSyncError",
@@ -72,7 +77,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "make_receiver", "Link", "Transport", "TransportKey", "WeightsCall", "verb",
+    "make_receiver", "Link", "Transport", "TransportKey", "WeightsCall", "verb", "SenderStep", "ReceiverStep",
+    "WorkerStep", "BucketedTransport", "Start", "Next", "Abort", "Receive",
     "BroadcastReceiver", "BroadcastSender", "BucketPlan", "CudaIpcBucket", "CudaIpcReceiver", "CudaIpcSender",
     "DTYPES", "Expected", "ExportWeights", "LoadWeights", "MB", "NamedTensors", "ObjectStoreBucket",
     "ObjectStoreReceiver", "ObjectStoreSender", "ReceiverBase", "Rendezvous", "SenderBase", "SyncAbort",

@@ -25,15 +25,16 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Any, Mapping
 
 from weights.base import ReceiverBase, SenderBase
 from weights.wire import (
     BucketPlan, Expected, ExportWeights, LoadWeights, SyncAbort, SyncSummary, WeightSyncError, decode_message,
     encode_message, flatten_bucket, unflatten_bucket,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 
 def group_layout(ranks_per_receiver: list[int]) -> tuple[list[int], int]:
@@ -147,6 +148,7 @@ def _ack_key(version: int, rank: int) -> str:
 
 class _Broadcaster:
     def _broadcast(self, plan: BucketPlan, buffers: Mapping[str, torch.Tensor]) -> None:
+        import torch
         import torch.distributed as dist
 
         options = dist.BroadcastOptions()
@@ -318,6 +320,8 @@ class BroadcastReceiver(ReceiverBase, _Broadcaster):
         self._group = _make_group(self._store, rank, rendezvous.world_size, rendezvous.backend, timeout, local_host)
 
     async def receive_all(self, version: int) -> int:
+        import torch
+
         if self._group is None:
             raise WeightSyncError("call init(rendezvous, rank) before receive_all()")
         store = self._store

@@ -2,7 +2,7 @@
 
 The learner rank's one verb is ``send_weights(call)`` -> ``SendEnd.handle(call)``; the generator's is
 ``receive_weights(call)`` -> ``ReceiveEnd.handle(call)``; a vLLM worker's is the extension's
-``arl_weights(kind, op, *args)`` -> ``on_worker``. Each looks the transport up in the one factory
+``arl_weights(kind, step)`` -> ``on_worker``. Each looks the transport up in the one factory
 (weights.strategy) and hands it the step; the transport keeps its halves in the end's ``halves``.
 
 Invariants:
@@ -10,8 +10,8 @@ Invariants:
   this module or a shell.
 - The halves persist between calls, one slot per (transport key, role), so a per-bucket sender keeps
   its export iterator between `next` steps and a collective receiver keeps its group between syncs.
-- A sender step a transport marks blocking (a collective, a wait on peers) runs in a thread, so the
-  learner actor still answers its other calls meanwhile.
+- A sender step marked blocking (a collective, a wait on peers: ``SenderStep.blocking``) runs in a
+  thread, so the learner actor still answers its other calls meanwhile.
 - ``ReceiveEnd.handle`` returns (reply, version completed or None): the shell ends the engine's
   update (``finish_weight_update``) exactly when a whole sync arrived, never on a partial one.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable
 
-from weights.protocol import Transport, WeightsCall
+from weights.protocol import Transport, WeightsCall, WorkerStep
 from weights.strategy import get_transport
 
 
@@ -47,9 +47,9 @@ class SendEnd:
 
     async def handle(self, call: WeightsCall) -> Any:
         transport = _transport(call)
-        if call.op in transport.blocking_sender_steps:
-            return await asyncio.to_thread(transport.on_sender, self, call)
-        return transport.on_sender(self, call)
+        if call.step.blocking:
+            return await asyncio.to_thread(transport.on_sender, self, call.step)
+        return transport.on_sender(self, call.step)
 
 
 class ReceiveEnd:
@@ -80,9 +80,10 @@ class ReceiveEnd:
         return held[1]
 
     async def handle(self, call: WeightsCall) -> tuple[Any, int | None]:
-        return await _transport(call).on_receiver(self, call)
+        return await _transport(call).on_receiver(self, call.step)
 
 
-def on_worker(worker: Any, kind: str, op: str, *args: Any) -> Any:
-    """Inside an engine's worker process (the vLLM worker extension's `arl_weights`)."""
-    return get_transport(kind).on_worker(worker, op, *args)
+def on_worker(worker: Any, kind: str, step: WorkerStep | dict) -> Any:
+    """Inside an engine's worker process (the vLLM worker extension's `arl_weights`): `step` as it
+    crossed the engine's RPC (weights.protocol.to_worker), rebuilt typed by the transport."""
+    return get_transport(kind).on_worker(worker, step)

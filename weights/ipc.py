@@ -23,16 +23,18 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Sequence
 
 from weights.base import ReceiverBase, SenderBase, maybe_await
-from weights.protocol import Transport, TransportKey, in_workers
+from weights.bucketed import BucketedTransport
+from weights.protocol import TransportKey, WorkerStep, in_workers
 from weights.wire import (
     BucketPlan, Expected, ExportWeights, LoadWeights, SyncAbort, SyncSummary, WeightSyncError, decode_message,
     encode_message, flatten_bucket, unflatten_bucket,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 Handles = dict[str, tuple]  # dtype -> torch.multiprocessing.reductions.reduce_tensor(buffer)
 
@@ -53,12 +55,16 @@ IpcMessage = CudaIpcBucket | SyncSummary | SyncAbort
 
 
 def device_uuid(device: torch.device | str | int) -> str:
+    import torch
+
     return str(torch.cuda.get_device_properties(torch.device("cuda", device) if isinstance(device, int)
                                                 else torch.device(device)).uuid)
 
 
 def visible_cuda_uuids() -> dict[str, int]:
     """uuid -> CUDA index in this process (after CUDA_VISIBLE_DEVICES)."""
+    import torch
+
     if not torch.cuda.is_available():
         return {}
     return {device_uuid(i): i for i in range(torch.cuda.device_count())}
@@ -154,6 +160,8 @@ def load_ipc_bucket(message: CudaIpcBucket, device: torch.device | str, load: Ca
     """Inside the process that owns `device` (a vLLM worker): open this GPU's handles only, hand the
     views (plan order) to `load`, wait for the copies, drop the views. Returns the plan. `uuid` is
     the device's (read from CUDA when None; tests on CPU pass one)."""
+    import torch
+
     plan = decode_message(message.plan)
     if not isinstance(plan, BucketPlan):
         raise WeightSyncError(f"CUDA IPC message holds a {type(plan).__name__}, not a bucket")
@@ -176,6 +184,8 @@ class CudaIpcSender(SenderBase):
     coordinator makes only after every receiver acked (returned from `receive`)."""
 
     def __init__(self, export_weights: ExportWeights, bucket_mb: float, device: torch.device | str | None = None):
+        import torch
+
         super().__init__(export_weights, bucket_mb)
         self.device = torch.device(device if device is not None else f"cuda:{torch.cuda.current_device()}")
         self._in_flight: dict[str, torch.Tensor] | None = None
@@ -183,10 +193,13 @@ class CudaIpcSender(SenderBase):
 
     def _release(self) -> None:
         if self._in_flight is not None:
+            import torch
+
             self._in_flight = None
             torch.cuda.ipc_collect()  # frees blocks whose IPC ref counts the receivers dropped
 
     def next_bucket(self) -> CudaIpcBucket | SyncSummary:
+        import torch
         from torch.multiprocessing.reductions import reduce_tensor
 
         self._release()
@@ -222,6 +235,8 @@ class CudaIpcReceiver(ReceiverBase):
         self._load_ipc = load_ipc
 
     async def receive(self, message: IpcMessage) -> int | None:
+        import torch
+
         if isinstance(message, SyncSummary):
             return self._finish(message)
         if isinstance(message, SyncAbort):
@@ -248,12 +263,22 @@ class CudaIpcReceiver(ReceiverBase):
         return None
 
 
-class CudaIpcTransport(Transport):
+class LoadIpc(WorkerStep, frozen=True):
+    """The merged bucket as bytes (ipc_message_to_bytes): this worker opens its own GPU's handles."""
+
+    message: bytes
+
+    def run(self, transport: CudaIpcTransport, worker: Any) -> int:
+        return transport.load_ipc(worker, self.message)
+
+
+class CudaIpcTransport(BucketedTransport):
     """Colocated on GPUs: every learner rank exports its own GPU's handles; merged per bucket. An engine
     that loads in its own workers (vLLM) gets the merged message as bytes; each worker opens its own
-    GPU's handle (worker step `load`)."""
+    GPU's handle (worker step ``LoadIpc``)."""
 
     key = TransportKey("cuda_ipc")
+    worker_steps = (LoadIpc,)
 
     def make_sender(self, export_weights, bucket_mb, *, rank=0, device=None):
         return CudaIpcSender(lambda mb: export_weights(mb, device="cuda"), bucket_mb, device=device)
@@ -264,7 +289,7 @@ class CudaIpcTransport(Transport):
 
         async def load_ipc(message: CudaIpcBucket) -> None:
             count = len(decode_message(message.plan).tensors)
-            await in_workers(engine, self.key, "load", ipc_message_to_bytes(message), expect=count)
+            await in_workers(engine, self.key, LoadIpc(ipc_message_to_bytes(message)), expect=count)
 
         return CudaIpcReceiver(load_weights, load_ipc=load_ipc)
 
@@ -274,11 +299,9 @@ class CudaIpcTransport(Transport):
     def all_ranks_send(self) -> bool:
         return True
 
-    def on_worker(self, worker, op, *args):
-        """`load`(message bytes): this worker's own GPU's handles, views loaded, copies waited for."""
-        if op != "load":
-            raise self.refuse("worker", op)
-        plan = load_ipc_bucket(ipc_message_from_bytes(args[0]), worker.arl_device(), worker.arl_load,
+    def load_ipc(self, worker: Any, message: bytes) -> int:
+        """This worker's own GPU's handles, views loaded, copies waited for; the tensors loaded."""
+        plan = load_ipc_bucket(ipc_message_from_bytes(message), worker.arl_device(), worker.arl_load,
                                uuid=getattr(worker, "arl_uuid", None))
         return len(plan.tensors)
 

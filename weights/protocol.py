@@ -7,42 +7,85 @@ code that knows what happens at each:
   the learner's one verb (``send_weights``) and every generator's one verb (``receive_weights``);
 - the learner group: ``fan_out`` says which rank gets which ``WeightsCall``, ``merge`` makes the
   ranks' replies one;
-- a learner rank: ``on_sender(end, call)`` (``end`` is the rank's ``weights.endpoint.SendEnd``);
-- a generator: ``on_receiver(end, call)`` (``weights.endpoint.ReceiveEnd``), and, for an engine whose
-  weights live in its own worker processes (vLLM), ``on_worker(worker, op, *args)`` inside each worker.
+- a learner rank: its sender half, a ``SenderStep`` at a time (``end`` is the rank's
+  ``weights.endpoint.SendEnd``);
+- a generator: its receiver half, a ``ReceiverStep`` at a time (``weights.endpoint.ReceiveEnd``),
+  and, for an engine whose weights live in its own worker processes (vLLM), a ``WorkerStep`` inside
+  each worker.
 
-The shells and the engines only forward: ``send_weights(call)``, ``receive_weights(call)`` and
-``Engine.in_workers(key, op, *args)``; none of them knows a transport's name or its steps.
+A step is a typed message (a msgspec Struct) whose ``run`` calls the transport's method for it, so a
+reader goes from the message to the method by "go to definition"; each transport lists the steps it
+takes (``sender_steps``, ``receiver_steps``, ``worker_steps``). The shells and the engines only
+forward: ``send_weights(call)``, ``receive_weights(call)`` and ``Engine.in_workers(key, step)``; none
+of them knows a transport's name or its steps.
 
 Invariants:
-- A ``WeightsCall`` is plain data (a key, the transport's own step name, plain arguments), so it
-  crosses Ray and vLLM's msgpack RPC alike; a step a transport does not have is a one-line
-  WeightSyncError naming the transport and the step.
-- ``per_bucket`` transports are driven one message at a time (``weights.base.drive_bucketed_sync``:
-  at most one bucket in flight, the sender aborted on any failure); the others (a collective group)
-  run one call per side per sync, after building their group when ``link.group`` is not every
-  receiver's.
+- A ``WeightsCall`` is plain data (the transport's key and one step), so it crosses Ray; a worker step
+  crosses vLLM's msgpack RPC as plain builtins (``to_worker``: bytes stay bytes) and is rebuilt typed
+  in the worker. A step a transport does not list is a one-line WeightSyncError naming the transport
+  and the step.
+- ``per_bucket`` transports (weights.bucketed) are driven one message at a time (at most one bucket
+  in flight, the sender aborted on any failure); the others (a collective group) run one call per side
+  per sync, after building their group when ``link.group`` is not every receiver's.
 - Both halves keep the counting of weights.base: a partial sync never bumps the receiver's version; a
-  receiver reports a sync complete (``on_receiver``'s second value) only once it is whole, and only
-  then does the generator end the engine's update.
+  receiver step reports a sync complete (its second value) only once it is whole, and only then does
+  the generator end the engine's update.
 """
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar, Union
 
-from weights.base import ExportOnly, drive_bucketed_sync, maybe_await
+import msgspec
+
+from weights.base import maybe_await
 from weights.wire import WeightSyncError
+
+if TYPE_CHECKING:
+    from config.schema import WeightSyncKind
+
 
 @dataclass(frozen=True)
 class TransportKey:
-    """What picks a transport: the placement's kind (coordinator.weight_sync)."""
+    """What picks a transport: one of the config's kinds (config.schema.WEIGHT_SYNC_KINDS)."""
 
-    kind: str  # object_store | cuda_ipc | nccl
+    kind: WeightSyncKind
 
     def __str__(self) -> str:
         return self.kind
+
+
+class SenderStep(msgspec.Struct, frozen=True):
+    """One step of a transport's sender half, on a learner rank. `run` calls the transport's method.
+    `every_rank`: the learner group sends it to every rank; `blocking`: it waits on a collective or a
+    peer, so the rank's end runs it in a thread (the learner actor answers its other calls meanwhile)."""
+
+    every_rank: ClassVar[bool] = False
+    blocking: ClassVar[bool] = False
+
+    def run(self, transport: Any, end: Any) -> Any:
+        raise NotImplementedError
+
+    def merge(self, transport: Any, replies: list) -> Any:
+        """The learner ranks' replies -> the group's one reply (default: rank 0's)."""
+        return replies[0]
+
+
+class ReceiverStep(msgspec.Struct, frozen=True):
+    """One step of a transport's receiver half, in a generator: `run` -> (reply, the version a sync
+    just completed or None)."""
+
+    async def run(self, transport: Any, end: Any) -> tuple[Any, int | None]:
+        raise NotImplementedError
+
+
+class WorkerStep(msgspec.Struct, frozen=True, tag=True):
+    """One step inside an engine's worker process (actors/engines/vllm_worker.py); `worker` has
+    `arl_device()`, `arl_load(named)` and `rank`. Fields are plain (bytes, ints, dataclasses of them)."""
+
+    def run(self, transport: Any, worker: Any) -> Any:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -50,8 +93,7 @@ class WeightsCall:
     """One step of a transport, sent to a learner rank (send_weights) or a generator (receive_weights)."""
 
     key: TransportKey
-    op: str
-    args: tuple = ()
+    step: Any  # a SenderStep or a ReceiverStep of that transport
 
 
 Verb = Callable[[WeightsCall], Awaitable[Any] | Any]
@@ -82,21 +124,30 @@ def verb(method: Any) -> Verb:
     return getattr(method, "remote", method)
 
 
+def to_worker(step: WorkerStep) -> dict:
+    """A worker step as the plain builtins an engine's RPC carries (vLLM's msgpack): bytes stay bytes."""
+    return msgspec.to_builtins(step, builtin_types=(bytes, bytearray, memoryview))
+
+
 class Transport:
-    """One transport. Subclasses set `key` and `per_bucket`, build the halves (`make_sender`,
-    `make_receiver`) and, where they need it, override the steps below. The defaults are the
-    per-bucket protocol: sender steps start / next / abort, receiver step receive."""
+    """One transport. Subclasses set `key`, `per_bucket` and the steps they take, build the halves
+    (`make_sender`, `make_receiver`) and define `sync` and each step's method."""
 
     key: TransportKey
     per_bucket: bool = True
-    # Sender steps that block on a collective or a peer: the rank's end runs them in a thread.
-    blocking_sender_steps: frozenset = frozenset()
+    sender_steps: ClassVar[tuple[type, ...]] = ()
+    receiver_steps: ClassVar[tuple[type, ...]] = ()
+    worker_steps: ClassVar[tuple[type, ...]] = ()
 
-    def call(self, op: str, *args: Any) -> WeightsCall:
-        return WeightsCall(self.key, op, tuple(args))
+    def call(self, step: Any) -> WeightsCall:
+        return WeightsCall(self.key, step)
 
-    def refuse(self, where: str, op: str) -> WeightSyncError:
-        return WeightSyncError(f"weight sync {self.key}: no {where} step {op!r}")
+    def refuse(self, where: str, step: Any) -> WeightSyncError:
+        if isinstance(step, str):
+            name = step
+        else:  # a worker step's tag is its name on the wire (its class name unless given)
+            name = getattr(getattr(step, "__struct_config__", None), "tag", None) or type(step).__name__
+        return WeightSyncError(f"weight sync {self.key}: no {where} step {name!r}")
 
     # -- the halves ---------------------------------------------------------------------------------
 
@@ -109,91 +160,60 @@ class Transport:
         """Generator side. `engine` is given when it loads in its own worker processes (vLLM)."""
         raise NotImplementedError
 
-    def all_ranks_send(self) -> bool:
-        """Whether every learner rank holds a part of each bucket (CUDA IPC: each rank's own GPU)."""
-        return False
-
-    def merge_messages(self, messages: list) -> Any:
-        """Several learner ranks' messages for one bucket -> the one message receivers get
-        (default: rank 0's; the others only took part in collective gathers)."""
-        return messages[0]
-
     # -- the coordinator ----------------------------------------------------------------------------
 
     async def sync(self, link: Link, version: int, bucket_mb: float) -> None:
         """One whole sync learner -> every receiver; raises (receivers keep their version) on failure."""
-        await link.to_sender(self.call("start", version, bucket_mb))
-        got = await drive_bucketed_sync(
-            lambda: link.to_sender(self.call("next")),
-            [lambda m, r=r: maybe_await(r(self.call("receive", m))) for r in link.receivers],
-            abort=lambda: link.to_sender(self.call("abort")))
-        if got != version:
-            raise WeightSyncError(f"weight sync finished at version {got}, expected {version}")
+        raise NotImplementedError
 
     # -- the learner group --------------------------------------------------------------------------
 
     def fan_out(self, call: WeightsCall, world_size: int, zero_stage: int) -> list[tuple[int, WeightsCall]]:
-        """(rank, call) for every rank that takes part in `call`. Per bucket: under ZeRO-3 every
-        rank exports (its gathers are collective), with all_ranks_send every rank sends its own GPU's
-        part, else rank 0 alone; an abort goes to every rank."""
-        if call.op == "abort" or self.all_ranks_send() or zero_stage == 3:
+        """(rank, call) for every rank that takes part in `call` (default: a step marked every_rank
+        goes to every rank, the others to rank 0)."""
+        if call.step.every_rank:
             return [(rank, call) for rank in range(world_size)]
         return [(0, call)]
 
     def merge(self, call: WeightsCall, replies: list) -> Any:
-        if call.op == "next" and len(replies) > 1:
-            return self.merge_messages(list(replies))
-        return replies[0]
+        return call.step.merge(self, list(replies))
 
-    # -- a learner rank -----------------------------------------------------------------------------
+    # -- the ends: a learner rank, a generator, an engine's worker ----------------------------------
 
-    def on_sender(self, end: Any, call: WeightsCall) -> Any:
-        """A per-bucket sender step on a learner rank (weights.endpoint.SendEnd). A rank other than 0
-        of a transport where only rank 0 sends exports in lockstep and drops its buckets."""
-        if call.op not in ("start", "next", "abort"):
-            raise self.refuse("sender", call.op)
-        if call.op == "start":
-            version, bucket_mb = call.args
-            if end.rank > 0 and not self.all_ranks_send():
-                sender = ExportOnly(end.export_weights, bucket_mb)
-            else:
-                sender = self.make_sender(end.export_weights, bucket_mb, rank=end.rank)
-            end.halves[self.key] = sender
-            sender.start(version)
-            return None
-        sender = end.halves.get(self.key)
-        if call.op == "next":
-            if sender is None:
-                raise WeightSyncError(f"weight sync {self.key}: 'next' before 'start'")
-            return sender.next_bucket()
-        if sender is not None:  # abort
-            sender.abort()
-        return None
+    def on_sender(self, end: Any, step: SenderStep) -> Any:
+        """A sender step on a learner rank (weights.endpoint.SendEnd)."""
+        if type(step) not in self.sender_steps:
+            raise self.refuse("sender", step)
+        return step.run(self, end)
 
-    # -- a generator --------------------------------------------------------------------------------
-
-    async def on_receiver(self, end: Any, call: WeightsCall) -> tuple[Any, int | None]:
+    async def on_receiver(self, end: Any, step: ReceiverStep) -> tuple[Any, int | None]:
         """A receiver step in a generator (weights.endpoint.ReceiveEnd): (reply, the version a sync
         just completed or None)."""
-        if call.op != "receive":
-            raise self.refuse("receiver", call.op)
-        receiver = end.receiver(self)
-        version = await receiver.receive(call.args[0])
-        return version, version
+        if type(step) not in self.receiver_steps:
+            raise self.refuse("receiver", step)
+        return await step.run(self, end)
 
-    # -- a vLLM worker ------------------------------------------------------------------------------
+    def on_worker(self, worker: Any, step: WorkerStep | dict) -> Any:
+        """A worker step inside an engine's worker process, typed or as it crossed the RPC (to_worker)."""
+        if isinstance(step, dict):
+            if not self.worker_steps:
+                raise self.refuse("worker", step.get("type", "?"))
+            try:
+                step = msgspec.convert(step, Union[self.worker_steps])  # type: ignore[arg-type]
+            except msgspec.ValidationError as e:
+                raise self.refuse("worker", str(step.get("type", "?"))) if "$.type" in str(e) else \
+                    WeightSyncError(f"weight sync {self.key}: worker step {step.get('type')!r}: {e}") from None
+        if type(step) not in self.worker_steps:
+            raise self.refuse("worker", step)
+        return step.run(self, worker)
 
-    def on_worker(self, worker: Any, op: str, *args: Any) -> Any:
-        """A step inside an engine's worker process (actors/engines/vllm_worker.py); `worker` has
-        `arl_device()`, `arl_load(named)` and `rank`."""
-        raise self.refuse("worker", op)
 
-
-async def in_workers(engine: Any, key: TransportKey, op: str, *args: Any, expect: int | None = None,
+async def in_workers(engine: Any, key: TransportKey, step: WorkerStep, expect: int | None = None,
                      timeout: float | None = 600.0) -> list:
-    """`op` of transport `key` in every worker of `engine`; with `expect`, every worker must report
+    """`step` of transport `key` in every worker of `engine`; with `expect`, every worker must report
     loading that many tensors."""
-    results = await engine.in_workers(key, op, *args, timeout=timeout)
+    results = await engine.in_workers(key, to_worker(step), timeout=timeout)
     if expect is not None and any(r != expect for r in results):
-        raise WeightSyncError(f"weight sync {key} {op}: workers loaded {results} tensors, the bucket has {expect}")
+        raise WeightSyncError(f"weight sync {key} {type(step).__name__}: workers loaded {results} tensors, "
+                              f"the bucket has {expect}")
     return results

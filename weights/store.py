@@ -10,7 +10,8 @@ Invariants:
 - The receiver checks the announced (version, index) against the plan inside the object, and the
   plan against its parameters, before loading anything. An engine whose weights live in other
   processes (vLLM's workers) gets the plan and the raw buffers through ``load_flat`` (bytes with
-  dtype and shape in the plan: never tensors through its RPC); otherwise ``load_weights`` gets views.
+  dtype and shape in the plan: never tensors through its RPC; the worker step ``LoadFlat``);
+  otherwise ``load_weights`` gets views.
 - Failure anywhere resets the receiver's in-flight sync; its version stays (weights.base).
 """
 from __future__ import annotations
@@ -22,14 +23,15 @@ if TYPE_CHECKING:
     import torch
 
 from weights.base import ReceiverBase, SenderBase, maybe_await
-from weights.protocol import Transport, TransportKey, in_workers
+from weights.bucketed import BucketedTransport
+from weights.protocol import TransportKey, WorkerStep, in_workers
 from weights.wire import (
     BucketPlan, Expected, ExportWeights, LoadWeights, SyncAbort, SyncSummary, WeightSyncError, decode_message,
     encode_message, payload_and_plan, payload_to_tensors, raw_bytes,
 )
 
 # (checked plan, {dtype: uint8 buffer, a numpy array or bytes}) -> loads the bucket in the engine's own workers
-LoadFlat = Callable[[BucketPlan, dict[str, Any]], Any]
+LoadFlatFn = Callable[[BucketPlan, dict[str, Any]], Any]
 
 
 @dataclass
@@ -74,7 +76,7 @@ class ObjectStoreReceiver(ReceiverBase):
 
     def __init__(self, load_weights: LoadWeights, expected: Expected | None = None,
                  device: torch.device | str | None = None, get: Callable[[Any], Any] | None = None,
-                 load_flat: LoadFlat | None = None):
+                 load_flat: LoadFlatFn | None = None):
         super().__init__(load_weights, expected, device)
         self._get = get
         self._load_flat = load_flat
@@ -109,11 +111,29 @@ class ObjectStoreReceiver(ReceiverBase):
         return None
 
 
-class ObjectStoreTransport(Transport):
+class LoadFlat(WorkerStep, frozen=True):
+    """A checked plan (encoded) and its raw buffers, rebuilt on the worker's device from dtype and shape."""
+
+    plan: bytes
+    buffers: dict[str, bytes]
+
+    def run(self, transport: ObjectStoreTransport, worker: Any) -> int:
+        return transport.load_flat(worker, self.plan, self.buffers)
+
+
+async def load_in_workers(engine: Any, plan: BucketPlan, buffers: dict[str, Any]) -> None:
+    """One checked bucket into every worker of an engine that loads in its own workers (vLLM): the
+    plan and the raw bytes of each dtype's buffer; every worker must load all of its tensors."""
+    raw = {d: raw_bytes(b) for d, b in buffers.items()}
+    await in_workers(engine, TRANSPORT.key, LoadFlat(plan=encode_message(plan), buffers=raw), expect=len(plan.tensors))
+
+
+class ObjectStoreTransport(BucketedTransport):
     """The CPU transport and the one the transformers engine always takes. An engine that loads in
-    its own workers (vLLM) gets each checked plan and its raw buffers there (worker step `load`)."""
+    its own workers (vLLM) gets each checked plan and its raw buffers there (worker step ``LoadFlat``)."""
 
     key = TransportKey("object_store")
+    worker_steps = (LoadFlat,)
 
     def make_sender(self, export_weights, bucket_mb, *, rank=0, device=None):
         return ObjectStoreSender(export_weights, bucket_mb)
@@ -121,18 +141,9 @@ class ObjectStoreTransport(Transport):
     def make_receiver(self, load_weights, engine=None):
         if engine is None:
             return ObjectStoreReceiver(load_weights)
+        return ObjectStoreReceiver(load_weights, load_flat=lambda plan, buffers: load_in_workers(engine, plan, buffers))
 
-        async def load_flat(plan: BucketPlan, buffers: dict[str, Any]) -> None:
-            raw = {d: raw_bytes(b) for d, b in buffers.items()}
-            await in_workers(engine, self.key, "load", encode_message(plan), raw, expect=len(plan.tensors))
-
-        return ObjectStoreReceiver(load_weights, load_flat=load_flat)
-
-    def on_worker(self, worker, op, *args):
-        """`load`(plan bytes, {dtype: bytes}): rebuilt on the worker's device from dtype and shape."""
-        if op != "load":
-            raise self.refuse("worker", op)
-        plan, buffers = args
+    def load_flat(self, worker: Any, plan: bytes, buffers: dict[str, bytes]) -> int:
         _, named = payload_to_tensors({"plan": plan, "buffers": buffers}, None, worker.arl_device())
         worker.arl_load(named)
         return len(named)

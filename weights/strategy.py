@@ -1,9 +1,11 @@
 """The one factory: coordinator.weight_sync -> a transport strategy.
 
 Invariants:
-- ``REGISTRY`` is the only list of transports: a kind -> "module:attribute" of a
-  ``weights.protocol.Transport`` instance, imported on first use. Adding a transport is one new
-  module plus one line here.
+- ``REGISTRY`` holds one transport per kind of the config's one list (config.schema.WEIGHT_SYNC_KINDS),
+  by explicit imports: a kind without a transport, or a transport of no kind, fails at import. Adding
+  a transport is one new module, its kind in that list and one line here.
+- Importing this module (what the coordinator does) imports no torch: each transport module imports
+  it where a step needs it.
 - ``transport_for`` takes the RESOLVED config (validation turned weight_sync="auto" into the
   placement's kind); a kind nobody registered is a one-line WeightSyncError naming the config key.
 - The object store is what the transformers engine takes on CPU; resyncing a subset of generators
@@ -11,27 +13,26 @@ Invariants:
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
+from config.schema import WEIGHT_SYNC_KINDS
+from weights import ipc, nccl, store
 from weights.protocol import Transport
 from weights.wire import WeightSyncError
 
-REGISTRY: dict[str, str] = {
-    "object_store": "weights.store:TRANSPORT",
-    "cuda_ipc": "weights.ipc:TRANSPORT",
-    "nccl": "weights.nccl:TRANSPORT",
-}
+REGISTRY: dict[str, Transport] = {t.key.kind: t for t in (store.TRANSPORT, ipc.TRANSPORT, nccl.TRANSPORT)}
+if sorted(REGISTRY) != sorted(WEIGHT_SYNC_KINDS):
+    raise ImportError(f"weights.strategy.REGISTRY has transports for {sorted(REGISTRY)}, "
+                      f"config.schema.WEIGHT_SYNC_KINDS lists {sorted(WEIGHT_SYNC_KINDS)}")
 
 
 def get_transport(kind: str) -> Transport:
     """The transport registered for `kind` (coordinator.weight_sync)."""
-    target = REGISTRY.get(kind)
-    if target is None:
+    transport = REGISTRY.get(kind)
+    if transport is None:
         raise WeightSyncError(f"config key 'coordinator.weight_sync': no transport {kind!r} "
                               f"(registered: {', '.join(sorted(REGISTRY))})")
-    module, attr = target.split(":")
-    return getattr(importlib.import_module(module), attr)
+    return transport
 
 
 def transport_for(coordinator_cfg: Any) -> Transport:
@@ -44,4 +45,4 @@ def transport_for(coordinator_cfg: Any) -> Transport:
 
 def fallback() -> Transport:
     """What a partial resync (some generators only) uses when the chosen transport is collective."""
-    return get_transport("object_store")
+    return store.TRANSPORT

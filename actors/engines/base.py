@@ -14,7 +14,7 @@ Invariants:
   request started.
 - Transports: the engine knows none. An engine whose weights live in other processes (vLLM's
   workers) has `loads_in_workers = True`, says how many workers it has (`num_workers`) and runs a
-  transport's worker step in every one of them (`in_workers(key, op, *args)`, weights.protocol);
+  transport's worker step in every one of them (`in_workers(key, step)`, weights.protocol);
   the transport then hands it messages instead of tensors. Every other engine takes tensors
   through `load_weights`.
 - Partial rollouts (async mode): an engine with `supports_partial` parks its running requests on
@@ -129,8 +129,9 @@ class Engine(abc.ABC):
         """Worker processes that hold this engine's weights (vLLM: one per tensor-parallel rank)."""
         return 1
 
-    async def in_workers(self, key: Any, op: str, *args: Any, timeout: float | None = 600.0) -> list:
-        """Runs step `op` of weight-sync transport `key` in every worker; each worker's result."""
+    async def in_workers(self, key: Any, step: dict, timeout: float | None = 600.0) -> list:
+        """Runs `step` (a weight-sync transport's worker step as plain builtins, weights.protocol.to_worker)
+        of transport `key` in every worker; each worker's result."""
         raise NotImplementedError(f"{type(self).__name__} takes tensors through load_weights")
 
     @abc.abstractmethod
@@ -244,8 +245,8 @@ class DeferredEngine(Engine):
     def num_workers(self) -> int:
         return self.engine.num_workers() if self.engine is not None else 1
 
-    async def in_workers(self, key: Any, op: str, *args: Any, timeout: float | None = 600.0) -> list:
-        return await self._built("in_workers").in_workers(key, op, *args, timeout=timeout)
+    async def in_workers(self, key: Any, step: dict, timeout: float | None = 600.0) -> list:
+        return await self._built("in_workers").in_workers(key, step, timeout=timeout)
 
     @property
     def supports_partial(self) -> bool:  # type: ignore[override]

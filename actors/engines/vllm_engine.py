@@ -12,7 +12,7 @@ Invariants:
   sleep / wake_up; the prefix cache is reset after every weight update.
 - Weights reach EVERY worker (tensor-parallel ranks included) through the worker extension
   (actors/engines/vllm_worker.py), never as tensors through collective_rpc (its msgpack turns a
-  tensor into a list): `in_workers(key, op, *args)` runs a weight-sync transport's worker step in
+  tensor into a list): `in_workers(key, step)` runs a weight-sync transport's worker step in
   each worker with plain arguments (the transports in weights/ say what they send: CUDA IPC handles
   as pickled bytes, a broadcast group each worker joins, or the plan plus raw bytes per dtype, which
   `load_weights` also uses after flattening its tensors). Every worker must report the bucket's
@@ -263,9 +263,9 @@ class VLLMEngine(PartialRequests, Engine):
             self._load_s += time.perf_counter() - started
         return results
 
-    async def in_workers(self, key: Any, op: str, *args: Any, timeout: float | None = 600.0) -> list:
-        """A weight-sync transport's step in every worker (the extension's `arl_weights`)."""
-        return await self._rpc("arl_weights", key.kind, op, *args, timeout=timeout)
+    async def in_workers(self, key: Any, step: dict, timeout: float | None = 600.0) -> list:
+        """A weight-sync transport's step (plain builtins) in every worker (the extension's `arl_weights`)."""
+        return await self._rpc("arl_weights", key.kind, step, timeout=timeout)
 
     def num_workers(self) -> int:
         """One per tensor-parallel rank: each takes its own rank in a broadcast group."""
@@ -274,14 +274,13 @@ class VLLMEngine(PartialRequests, Engine):
     async def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         """Plain bytes: the bucket flattened on the CPU, its plan, one raw buffer per dtype (the object
         store transport's worker step, which rebuilds them on each worker's device)."""
-        from weights.protocol import TransportKey, in_workers
-        from weights.wire import encode_message, flatten_bucket, raw_bytes
+        from weights.store import load_in_workers
+        from weights.wire import flatten_bucket
 
         named = [(n, t.detach().cpu()) for n, t in named_tensors]
         plan, buffers = flatten_bucket(named, int(version), 0, device="cpu")
         del named
-        raw = {d: raw_bytes(b) for d, b in buffers.items()}
-        await in_workers(self, TransportKey("object_store"), "load", encode_message(plan), raw, expect=len(plan.tensors))
+        await load_in_workers(self, plan, buffers)
 
     async def finish_weight_update(self, version: int) -> None:
         self.worker_memory = await self._rpc("arl_finish")  # the loads' temporaries back to the device

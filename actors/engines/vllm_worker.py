@@ -6,9 +6,10 @@ engine-core process. So only plain values cross that RPC here: bytes, ints, stri
 them. Never a tensor (msgpack turns it into a ``[dtype, shape, data]`` list, vLLM 0.26-0.32).
 
 Invariants:
-- ``arl_weights(kind, op, *args)`` hands one step of a weight-sync transport to that transport
-  (weights.endpoint.on_worker); what the step does (open this GPU's CUDA IPC handles, join and take
-  part in a broadcast group, rebuild plain bytes on this device) is the transport's, in weights/.
+- ``arl_weights(kind, step)`` hands one step of a weight-sync transport (a ``weights.WorkerStep`` as
+  plain builtins) to that transport (weights.endpoint.on_worker); what the step does (open this GPU's
+  CUDA IPC handles, join and take part in a broadcast group, rebuild plain bytes on this device) is
+  the transport's, in weights/.
   This class knows no transport.
 - What a transport may use here: ``arl_device()`` (this worker's device), ``arl_load(named)`` (vLLM's
   own ``model.load_weights``, which takes this worker's tensor-parallel shard and fuses q/k/v and
@@ -41,9 +42,9 @@ class WeightLoaderExtension:
     def arl_device(self) -> torch.device:
         return torch.device(getattr(self, "device", None) or "cpu")
 
-    def arl_weights(self, kind: str, op: str, *args: Any) -> Any:
+    def arl_weights(self, kind: str, step: dict) -> Any:
         """One step of weight-sync transport `kind` in this worker (weights/)."""
-        return on_worker(self, kind, op, *args)
+        return on_worker(self, kind, step)
 
     def arl_finish(self) -> dict[str, float]:
         """After the last bucket: the loads' temporaries go back to the device; memory after."""
