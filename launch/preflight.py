@@ -13,9 +13,10 @@ What it does, in order (each step bounded; the first failure is one line, Prefli
    except a colocated learner rank and the engine covering it.
 4. An all-reduce of (rank + 1) over the learner-rank probes (gloo on CPU and simulated, NCCL on
    GPUs; the store on rank 0's node address): the sum must be W(W+1)/2.
-5. One bucket through the weight-sync transport the placement implies (weights's
-   classes): object_store / cuda_ipc from the learner rank to every engine probe, or the nccl
-   broadcast (gloo on CPU); simulated GPUs have no CUDA: cuda_ipc runs as object_store, nccl as gloo.
+5. One bucket through the real weight sync of the transport the placement implies: its
+   ``Transport.sync`` from the learner-rank probes (fanned out and merged as the learner group does)
+   to every engine probe, each probe holding the real ends (weights.endpoint); simulated GPUs have no
+   CUDA: cuda_ipc runs as object_store, nccl's group as gloo.
 6. One table, exit 0. Probes and groups are removed at the end, success or not.
 
 `--simulate` starts a local ray.cluster_utils.Cluster of the recipe's shape (num_nodes raylets, each
@@ -210,46 +211,42 @@ def _all_reduce(placement: Placement, probes: dict, simulate: bool, timeout_s: f
 
 
 def _weight_sync(placement: Placement, probes: dict, simulate: bool, timeout_s: float) -> str:
-    """One bucket by the placement's transport (as simulated where no GPU exists); returns its name."""
-    from weights import drive_bucketed_sync
+    """One bucket through the real sync (``Transport.sync`` of the placement's transport, as simulated
+    where no GPU exists) from the learner-rank probes to every engine probe; returns its name."""
+    from weights import Link
+    from weights.strategy import get_transport
 
     engines = placement.by_role("generator")
     if not engines:
         return "none (no engines)"
-    kind = placement.weight_sync
-    if simulate or not placement.gpu:
-        kind = {"cuda_ipc": "object_store", "nccl": "gloo"}.get(kind, kind)
+    kind, cuda = placement.weight_sync, placement.gpu and not simulate
+    if not cuda and kind == "cuda_ipc":
+        kind = "object_store"
+    shown = "gloo" if kind == "nccl" and not cuda else kind  # nccl's group on CPU devices is gloo
+    transport = get_transport(kind)
     ranks = placement.by_role("learner")
-    what = f"weight sync ({kind})"
+    what = f"weight sync ({shown})"
+    names = [a.name for a in ranks] + [e.name for e in engines]
+    _get([probes[a.name].weight_ends.remote(a.rank, "cuda" if cuda else "cpu", timeout_s) for a in ranks] +
+         [probes[e.name].weight_ends.remote(0, "cpu", timeout_s) for e in engines], timeout_s, what, names)
+
+    async def learner_group(call):  # actors/learner/group.py's send_weights: the ranks the transport names
+        plan = transport.fan_out(call, len(ranks), 0)
+        return transport.merge(call, await asyncio.gather(*(probes[ranks[r].name].send_weights.remote(c)
+                                                            for r, c in plan)))
+
+    link = Link(learner_group, [probes[e.name].receive_weights.remote for e in engines])
+    try:
+        asyncio.run(asyncio.wait_for(transport.sync(link, 1, 1), timeout_s + 15))
+    except Exception as e:  # noqa: BLE001 - the first failure, one line
+        from launch.run import one_line
+
+        raise PreflightFailed(f"{what}: {one_line(e)}") from None
     names = [e.name for e in engines]
-    if kind in ("nccl", "gloo"):
-        sender = probes[ranks[0].name]
-        rdv = _get([sender.ws_listen.remote(1 + len(engines), kind, timeout_s)], timeout_s, what, [ranks[0].name])[0]
-        _get([sender.ws_init.remote()] + [probes[e.name].ws_join.remote(rdv, i) for i, e in enumerate(engines, 1)],
-             timeout_s + 15, what + " group", [ranks[0].name] + names)
-        _get([sender.ws_send.remote(1)] + [probes[e.name].ws_receive_all.remote(1) for e in engines],
-             timeout_s + 15, what, [ranks[0].name] + names)
-    else:  # object_store: rank 0 to every engine; cuda_ipc: the rank on each engine's first GPU to it
-        pairs = [(ranks[0], engines)] if kind == "object_store" else [
-            (next(r for r in ranks if (r.node, r.gpus[0]) == (e.node, e.gpus[0])), [e]) for e in engines]
-        for rank, receivers in pairs:
-            sender = probes[rank.name]
-            _get([sender.ws_start.remote(kind, 1)], timeout_s, what, [rank.name])
-
-            async def drive(sender=sender, receivers=receivers):
-                return await asyncio.wait_for(drive_bucketed_sync(
-                    sender.ws_next.remote, [lambda m, e=e: probes[e.name].ws_receive.remote(m, kind) for e in receivers]),
-                    timeout_s)
-            try:
-                asyncio.run(drive())
-            except Exception as e:  # noqa: BLE001
-                from launch.run import one_line
-
-                raise PreflightFailed(f"{what} from {rank.name}: {one_line(e)}") from None
     bad = [(n, c) for n, c in zip(names, _get([probes[n].ws_check.remote() for n in names], timeout_s, what, names)) if c]
     if bad:
         raise PreflightFailed(f"{what}: {bad[0][0]}: {bad[0][1]}")
-    return kind if kind == placement.weight_sync else f"{kind} (standing in for {placement.weight_sync})"
+    return shown if shown == placement.weight_sync else f"{shown} (standing in for {placement.weight_sync})"
 
 
 @contextlib.contextmanager

@@ -3,7 +3,10 @@
 Invariants:
 - Importing this module imports the standard library and ray only. torch (and torch.distributed)
   is imported inside the calls that need it: the learner ranks' all-reduce and the weight-sync
-  bucket (weights's own classes). A probe that only reports its place never loads it.
+  bucket. A probe that only reports its place never loads it.
+- The weight sync is the real one: a probe holds a learner rank's and a generator's ends of the
+  transport (weights.endpoint) and answers their verbs, ``send_weights`` and ``receive_weights``;
+  only the exported tensor (one probe bucket) and the loader (kept for ``ws_check``) are its own.
 - No model, tokenizer or dataset is read; `report` only checks that given paths are readable.
 - Every call that waits on other processes is bounded by its `timeout_s` (gloo/NCCL timeouts on the
   group, TCPStore timeouts on the rendezvous); the driver bounds each ray.get as well.
@@ -81,8 +84,8 @@ class Probe:
 
     def __init__(self, name: str):
         self.name = name
-        self.sender = None
-        self.receiver = None
+        self._weights_out: Any = None
+        self._weights_in: Any = None
         self.received: list[Any] = []
         self._store = None
         self._group = None
@@ -133,63 +136,31 @@ class Probe:
     # ---------------------------------------------------------------- one weight-sync bucket
 
     @staticmethod
-    def _export(device: str):
+    def _export(bucket_mb: float, device: Any = None):
+        """The learner's export_weights shape: one bucket of one tensor, on `device` (the transport's)."""
         import torch
 
-        def export(_bucket_mb):
-            yield [(PROBE_NAME, torch.arange(PROBE_NUMEL, dtype=torch.float32, device=device))]
-        return export
+        yield [(PROBE_NAME, torch.arange(PROBE_NUMEL, dtype=torch.float32, device=device or "cpu"))]
 
-    def ws_start(self, kind: str, version: int, bucket_mb: int = 1) -> None:
-        import weights as weight_sync
+    def weight_ends(self, rank: int, device: str, timeout_s: float) -> None:
+        """This probe's two ends of the real transport (weights.endpoint), as a learner rank and a
+        generator hold them: `device` is the rank's ("cuda" or "cpu"), `timeout_s` bounds a group's waits."""
+        from weights.endpoint import ReceiveEnd, SendEnd
 
-        if kind == "object_store":
-            self.sender = weight_sync.ObjectStoreSender(self._export("cpu"), bucket_mb)
-        else:  # cuda_ipc: this rank's GPU
-            self.sender = weight_sync.CudaIpcSender(self._export("cuda"), bucket_mb)
-        self.sender.start(version)
+        self._weights_out = SendEnd(self._export, rank, device=lambda: device, timeout_s=timeout_s)
+        self._weights_in = ReceiveEnd(self._load, lambda: None)  # no engine: the probe loads itself
 
-    def ws_next(self) -> Any:
-        return self.sender.next_bucket()
+    async def send_weights(self, call: Any) -> Any:
+        """A learner rank's verb (actors/learner/shell.py's, over a probe tensor)."""
+        return await self._weights_out.handle(call)
 
-    def ws_listen(self, world_size: int, backend: str, timeout_s: float) -> Any:
-        import weights as weight_sync
-
-        self.sender = weight_sync.BroadcastSender(self._export("cuda" if backend == "nccl" else "cpu"), 1,
-                                                  backend=backend, timeout_s=timeout_s)
-        return self.sender.listen(world_size)
-
-    def ws_init(self) -> None:
-        self.sender.init()
-
-    def ws_send(self, version: int) -> int:
-        try:
-            return self.sender.send(version).version
-        finally:
-            self.sender.close()
+    async def receive_weights(self, call: Any) -> Any:
+        """A generator's verb (actors/generator/shell.py's, loading into `received`)."""
+        reply, _ = await self._weights_in.handle(call)
+        return reply
 
     def _load(self, named, version):
         self.received = [(n, t.detach().to("cpu").clone()) for n, t in named]
-
-    async def ws_receive(self, message: Any, kind: str) -> int | None:
-        import weights as weight_sync
-
-        if self.receiver is None:
-            cls = weight_sync.ObjectStoreReceiver if kind == "object_store" else weight_sync.CudaIpcReceiver
-            self.receiver = cls(self._load)
-        return await self.receiver.receive(message)
-
-    def ws_join(self, rendezvous: Any, rank: int) -> None:
-        import weights as weight_sync
-
-        self.receiver = weight_sync.BroadcastReceiver(self._load)
-        self.receiver.init(rendezvous, rank)
-
-    async def ws_receive_all(self, version: int) -> int:
-        try:
-            return await self.receiver.receive_all(version)
-        finally:
-            self.receiver.close()
 
     def ws_check(self) -> str:
         """'' when the one tensor of the bucket arrived bit for bit, else what arrived."""
