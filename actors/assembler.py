@@ -191,6 +191,7 @@ class Assembler:
         """Connects to the run's streams (ctx.redis_url) and starts the consumer loop; every call that
         needs them starts it too, so an instance Ray restarted after a crash connects on its first call."""
         from queues.streams import RunStreams
+        from queues.topology import ASSEMBLED, BATCHES, SCORED
         from queues.worker import Worker
 
         if self._task is not None:
@@ -198,11 +199,11 @@ class Assembler:
         if not self.ctx.redis_url:
             raise RuntimeError("assembler: its RunContext has no redis_url")
         self.conn = await RunStreams.open(self.ctx.redis_url, self.ctx.run_id)
-        self.scored = self.conn.stream("scored", group="assembler")
-        self.batches = self.conn.stream("batches", group="learner", high_water=self.ctx.stream_high_water)
+        self.scored = self.conn.stream(SCORED)
+        self.batches = self.conn.stream(BATCHES, high_water=self.ctx.stream_high_water)
         # Each assembled step's result, written before its groups are acked: a collect that Ray
         # retries on a restarted instance returns it instead of waiting for acked groups.
-        self.memo = self.conn.hash("assembled")
+        self.memo = self.conn.hash(ASSEMBLED)
         await self.scored.ensure_group()
         await self.batches.ensure_group()
         for raw in await self.memo.values():  # a step's memo carries its outcomes; an eval's (collect_eval)

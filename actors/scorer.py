@@ -127,7 +127,7 @@ class Scorer:
 
 
 class ScorerLoop:
-    """The stream side: rollouts (group "scorers") -> score -> scored, on the one consumer loop
+    """The stream side: ROLLOUTS (its group, the scorers) -> score -> SCORED (queues.topology), on the one consumer loop
     (queues.worker.Worker: pending first, reclaim, heartbeat, ack after publish)."""
 
     def __init__(self, scorer: Scorer, consumer: str, reclaim_idle_s: float = 30.0, batch: int = 8):
@@ -150,11 +150,12 @@ class ScorerLoop:
 
     async def run(self, redis_url: str, run_id: str, high_water: int = 4096) -> None:
         from queues.streams import RunStreams
+        from queues.topology import ROLLOUTS, SCORED
         from queues.worker import Worker
 
         conn = await RunStreams.open(redis_url, run_id)
-        rollouts = conn.stream("rollouts", group="scorers", high_water=high_water)
-        scored = conn.stream("scored", high_water=high_water)
+        rollouts = conn.stream(ROLLOUTS, high_water=high_water)
+        scored = conn.stream(SCORED, high_water=high_water)
         decode = codec(RolloutGroup).decode
         encode = codec(ScoredGroup).encode
 

@@ -48,6 +48,7 @@ from config import RunConfig, RunContext, apply_overrides  # noqa: E402
 from queues.messages import RolloutGroup, ScoredGroup, TrainBatch, codec, pack_ids  # noqa: E402
 from queues.redis_server import EmbeddedRedis  # noqa: E402
 from queues.streams import Stream, connect  # noqa: E402
+from queues.topology import BATCHES, ROLLOUTS, SCORED  # noqa: E402
 
 MODES = {  # name -> config overrides
     "colocated": ["coordinator.mode=colocated", "assembler.max_staleness=0"],
@@ -89,7 +90,7 @@ class SimLearner:
     """The learner's calls the coordinator makes, as latencies; training reads the real batch."""
 
     def __init__(self, redis, run_id: str, s: Settings):
-        self.batches = Stream(redis, run_id, "batches", group="learner")
+        self.batches = Stream(redis, run_id, BATCHES)
         self.s = s
         self._version = 0
 
@@ -133,8 +134,8 @@ class SimGenerator(Generator):
 
 
 async def stand_in_scorer(redis, run_id: str, seed: int) -> None:
-    rollouts = Stream(redis, run_id, "rollouts", group="scorers")
-    scored = Stream(redis, run_id, "scored")
+    rollouts = Stream(redis, run_id, ROLLOUTS)
+    scored = Stream(redis, run_id, SCORED)
     await rollouts.ensure_group()
     while True:
         for eid, data in await rollouts.consume("scorer-0", count=64, block_ms=50):

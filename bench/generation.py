@@ -39,12 +39,13 @@ async def publish_latency(engine, gen_cfg, tasks_count: int, max_tokens: int, n:
     from queues.messages import PromptTask, RolloutGroup, codec, pack_ids
     from queues.redis_server import EmbeddedRedis
     from queues.streams import Stream, connect
+    from queues.topology import PROMPTS, ROLLOUTS
 
     ids = engine.tokenizer("SELECT name FROM singer")["input_ids"]
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(tmp) as server:
         redis = await connect(server.url)
-        prompts = Stream(redis, "bench", "prompts", group="generators")
-        rollouts = Stream(redis, "bench", "rollouts", group="scorers")
+        prompts = Stream(redis, "bench", PROMPTS)
+        rollouts = Stream(redis, "bench", ROLLOUTS)
         await prompts.ensure_group()
         await rollouts.ensure_group()
         for i in range(tasks_count):

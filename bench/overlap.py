@@ -61,6 +61,7 @@ from config import AssemblerConfig, GeneratorConfig, RunContext, ScorerConfig  #
 from queues.messages import PromptTask, RolloutGroup, codec, pack_ids  # noqa: E402
 from queues.redis_server import EmbeddedRedis  # noqa: E402
 from queues.streams import Stream, connect  # noqa: E402
+from queues.topology import PROMPTS, ROLLOUTS  # noqa: E402
 from tasks.bird import load_split  # noqa: E402
 from tasks.synthetic import DOMAINS, write_dataset  # noqa: E402
 
@@ -206,8 +207,8 @@ async def run_mode(mode: str, redis_url: str, prompts: list[BenchPrompt], settin
     assembler = Assembler(AssemblerConfig(), RunContext(run_id=run_id, redis_url=redis_url))
     await assembler.start()
     redis = await connect(redis_url)
-    prompts_stream = Stream(redis, run_id, "prompts", group="generators")
-    rollouts_stream = Stream(redis, run_id, "rollouts", group="scorers")
+    prompts_stream = Stream(redis, run_id, PROMPTS)
+    rollouts_stream = Stream(redis, run_id, ROLLOUTS)
     ids = list(range(1, 65))
     tasks = [PromptTask(task_id=f"0:{slot}:0", prompt_id=p.prompt_id, step=0, policy_version=0,
                         prompt_tokens=pack_ids(ids), n=settings.samples, db_id=p.db_id, db_path=p.db_path,

@@ -168,11 +168,12 @@ async def _hostile_burst(url: str, run_id: str, db_path: str, nonce: int, groups
     """RolloutGroups of hostile samples for step -1 (no step collects them) and one undecodable entry."""
     from queues.messages import PromptTask, RolloutGroup, Sample, codec, pack_floats, pack_ids
     from queues.streams import RunStreams
+    from queues.topology import ROLLOUTS
 
     texts = [f"```sql\n{sql}\n```" for sql in HOSTILE_SQL.values()] + [huge_text(1 << 20)]
     conn = await RunStreams.open(url, run_id)
     try:
-        out = conn.stream("rollouts")
+        out = conn.stream(ROLLOUTS)
         for g in range(groups):
             task = PromptTask(task_id=f"-1:hostile{nonce}-{g}:0", prompt_id="hostile", step=-1, policy_version=0,
                               prompt_tokens=pack_ids([1, 2, 3]), n=len(texts), db_id=Path(db_path).parent.name,

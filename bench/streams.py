@@ -19,6 +19,7 @@ import numpy as np
 from queues.messages import PromptTask, RolloutGroup, Sample, codec, pack_floats, pack_ids
 from queues.redis_server import EmbeddedRedis
 from queues.streams import Stream, connect
+from queues.topology import ROLLOUTS
 
 N_SAMPLES, RESPONSE_TOKENS, PROMPT_TOKENS = 16, 1200, 3000
 
@@ -51,8 +52,8 @@ def time_codec(name, encode, decode, payload, reps=20):
 
 
 async def pump(url: str, groups: int, rate: float | None) -> dict:
-    pub = Stream(await connect(url), "bench", "rollouts", "scorers", high_water=100_000, trim_every=64)
-    sub = Stream(await connect(url), "bench", "rollouts", "scorers", trim_every=64)
+    pub = Stream(await connect(url), "bench", ROLLOUTS, high_water=100_000, trim_every=64)
+    sub = Stream(await connect(url), "bench", ROLLOUTS, trim_every=64)
     await pub.ensure_group()
     c = codec(RolloutGroup)
     payloads = [c.encode(make_group(i)) for i in range(16)]

@@ -13,8 +13,9 @@ Invariants:
   naming the URL (password redacted). An actor's first connect (`RunStreams.open`) has the same
   budget as a reconnect mid-run.
 - This module is the only way to Redis outside queues/: an actor opens a `RunStreams` (one run's
-  connection) and reads and writes through its `Stream`s and `StageHash`es; `ping`, `ping_blocking`
-  and `purge_run` serve the launcher and the preflight probe.
+  connection) and reads and writes through its `Stream`s and `StageHash`es, each named by its spec
+  in queues.topology (the one declaration of the run's streams); `ping`, `ping_blocking` and
+  `purge_run` serve the launcher and the preflight probe.
 """
 from __future__ import annotations
 
@@ -27,8 +28,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError, TimeoutError as RedisTimeoutError, AuthenticationError
 
 from queues.errors import redact  # noqa: F401 - re-exported: queues.streams.redact
-
-STAGES = ("prompts", "rollouts", "scored", "batches", "events")
+from queues.topology import HashSpec, StreamSpec, run_key
 
 T = TypeVar("T")
 
@@ -37,8 +37,7 @@ class RedisUnavailable(RuntimeError):
     """Redis could not be reached (or refused our credentials) within the retry budget."""
 
 
-def stream_key(run_id: str, stage: str) -> str:
-    return f"arl:{run_id}:{stage}"
+stream_key = run_key  # arl:<run>:<name> (queues.topology)
 
 
 async def connect(url: str, *, timeout_s: float = 10.0, password: str | None = None) -> aioredis.Redis:
@@ -95,10 +94,14 @@ def _id_tuple(entry_id: bytes | str) -> tuple[int, int]:
 
 
 class Stream:
-    """Publish to and consume from `arl:<run>:<stage>` in consumer group `group`."""
+    """Publish to and consume from `arl:<run>:<stage>` in consumer group `group`. `stage` is a stream
+    of the run's topology (its group the spec's unless given) or, for a stream of no stage (tests,
+    benchmarks), a bare name (its group that name unless given)."""
 
-    def __init__(self, redis: aioredis.Redis, run_id: str, stage: str, group: str | None = None, *,
+    def __init__(self, redis: aioredis.Redis, run_id: str, stage: StreamSpec | str, group: str | None = None, *,
                  high_water: int = 4096, trim_every: int = 32, retry_budget_s: float = 30.0):
+        if isinstance(stage, StreamSpec):
+            stage, group = stage.name, group or stage.group
         self.redis = redis
         self.key = stream_key(run_id, stage)
         self.stage = stage
@@ -286,11 +289,16 @@ class RunStreams:
         (the hour's soak saw a restarted generator miss a 10 s connect at load ~130 and end the run)."""
         return cls(await connect(url, timeout_s=timeout_s), run_id)
 
-    def stream(self, stage: str, group: str | None = None, **kwargs) -> "Stream":
-        return Stream(self.redis, self.run_id, stage, group, **kwargs)
+    def stream(self, spec: StreamSpec, **kwargs) -> "Stream":
+        """The run's stream `spec` (queues.topology), in its consumer group."""
+        if not isinstance(spec, StreamSpec):
+            raise TypeError(f"RunStreams.stream takes a queues.topology spec (e.g. PROMPTS), got {spec!r}")
+        return Stream(self.redis, self.run_id, spec, **kwargs)
 
-    def hash(self, name: str) -> "StageHash":
-        return StageHash(self.redis, self.run_id, name)
+    def hash(self, spec: HashSpec) -> "StageHash":
+        if not isinstance(spec, HashSpec):
+            raise TypeError(f"RunStreams.hash takes a queues.topology spec (e.g. ASSEMBLED), got {spec!r}")
+        return StageHash(self.redis, self.run_id, spec.name)
 
     async def close(self) -> None:
         await self.redis.aclose()

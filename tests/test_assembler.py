@@ -7,6 +7,7 @@ from config import AssemblerConfig, RunContext
 from queues.messages import (PromptTask, RolloutGroup, Sample, ScoredGroup, TrainBatch, codec, pack_floats,
                              pack_ids)
 from queues.streams import Stream, connect
+from queues.topology import BATCHES, SCORED
 
 
 def scored(task_id, rewards, version=0, error="", gold_failed=False, completion_len=3):
@@ -61,7 +62,7 @@ def test_batch_packs_every_kept_sample_once_within_budget():
 
 async def test_collect_acks_only_after_the_batch_and_ignores_redelivery(redis_url):
     redis = await connect(redis_url)
-    scored_stream = Stream(redis, "r", "scored", group="assembler")
+    scored_stream = Stream(redis, "r", SCORED)
     await scored_stream.ensure_group()
     asm = Assembler(AssemblerConfig(), RunContext(run_id="r", redis_url=redis_url, reclaim_idle_s=0.2))
     await asm.start()
@@ -80,7 +81,7 @@ async def test_collect_acks_only_after_the_batch_and_ignores_redelivery(redis_ur
     assert m["prompts"] == 3 and m["prompts_failed"] == 1
     assert m["prompts"] == sum(m[f"prompts_{o}"] for o in (TRAINED, FILTERED, STALE, GOLD_FAILED, FAILED))
     assert (await scored_stream.depth())["pending"] == 0
-    batches = Stream(redis, "r", "batches", group="learner")
+    batches = Stream(redis, "r", BATCHES)
     [(_, data)] = await batches.consume("l", count=5, block_ms=100)
     batch = codec(TrainBatch).decode(data)
     assert batch.step == 0 and [g.prompt_id for g in batch.groups] == ["q0:0:0"]
@@ -91,7 +92,7 @@ async def test_forget_before_prunes_train_and_eval_state(redis_url):
     """resolved and the memo stay bounded over a long run: eval tasks ("eval:<step>:g<k>") are
     pruned like training tasks (they used to stay for the whole run)."""
     redis = await connect(redis_url)
-    scored_stream = Stream(redis, "f", "scored", group="assembler")
+    scored_stream = Stream(redis, "f", SCORED)
     await scored_stream.ensure_group()
     asm = Assembler(AssemblerConfig(), RunContext(run_id="f", redis_url=redis_url))
     await asm.start()
@@ -116,7 +117,7 @@ async def test_a_restarted_assembler_starts_over_a_memo_that_holds_an_eval(redis
     instance restores the steps' outcomes and answers a retried eval from the memo (the hour's soak found
     a restart after an evaluation failing with KeyError 'outcomes' and ending the run)."""
     redis = await connect(redis_url)
-    scored_stream = Stream(redis, "m", "scored", group="assembler")
+    scored_stream = Stream(redis, "m", SCORED)
     await scored_stream.ensure_group()
     ctx = RunContext(run_id="m", redis_url=redis_url)
     first = Assembler(AssemblerConfig(), ctx)

@@ -11,6 +11,7 @@ from config import AssemblerConfig, RunContext, apply_overrides
 from config.recipes import get_recipe
 from queues.messages import Event, SchemaError, ScoredGroup, codec
 from queues.streams import RunStreams
+from queues.topology import EVENTS, SCORED
 from queues.worker import Worker
 from tests.test_assembler import scored
 
@@ -21,7 +22,7 @@ async def test_the_coordinator_s_events_consumer_records_acks_and_surfaces_its_f
     await coord.connect()
     assert isinstance(coord._events_worker, Worker)
     producer = await RunStreams.open(redis_url, "ev")
-    events = producer.stream("events", high_water=0)
+    events = producer.stream(EVENTS, high_water=0)
     enc = codec(Event).encode
     for t in ("0:0:0", "0:1:0"):
         await events.publish(enc(Event(kind="generated", source="generator-0", task_id=t, at=time.time())))
@@ -45,7 +46,7 @@ async def test_the_assembler_acks_and_counts_an_undecodable_group_and_keeps_cons
     """Its consume loop used to die on one (an unretrieved task exception): every later step waited out
     its deadline. Now the message is acked and counted, its task ends "failed", the rest is assembled."""
     producer = await RunStreams.open(redis_url, "u")
-    stream = producer.stream("scored", group="assembler")
+    stream = producer.stream(SCORED)
     await stream.ensure_group()
     asm = Assembler(AssemblerConfig(), RunContext(run_id="u", redis_url=redis_url))
     await asm.start()

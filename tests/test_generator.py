@@ -13,6 +13,7 @@ from actors.generator.generator import Generator
 from config import GeneratorConfig, ModelConfig
 from queues.messages import PromptTask, RolloutGroup, codec, pack_ids
 from queues.streams import Stream, connect
+from queues.topology import PROMPTS, ROLLOUTS
 
 torch.set_num_threads(1)
 
@@ -35,8 +36,8 @@ def task(engine, i, text="SELECT name FROM singer", n=2, **sampling):
 
 async def streams(url):
     redis = await connect(url)
-    prompts = Stream(redis, RUN, "prompts", group="generators")
-    rollouts = Stream(redis, RUN, "rollouts", group="scorers")
+    prompts = Stream(redis, RUN, PROMPTS)
+    rollouts = Stream(redis, RUN, ROLLOUTS)
     await prompts.ensure_group()
     await rollouts.ensure_group()
     return prompts, rollouts

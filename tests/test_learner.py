@@ -477,6 +477,7 @@ async def test_a_batch_delivered_while_waiting_but_never_seen_is_found_in_pendin
     from config import RunContext
     from queues.messages import codec
     from queues.streams import Stream, connect
+    from queues.topology import BATCHES
 
     shell = LearnerShell.__new__(LearnerShell)  # the stream side only: no model is built
     shell.trained_steps = set()
@@ -494,7 +495,7 @@ async def test_a_batch_delivered_while_waiting_but_never_seen_is_found_in_pendin
     shell.batches.consume = consume_losing_the_first_reply
     waiting = asyncio.create_task(shell._take(0, timeout_s=20.0))
     await asyncio.sleep(0.3)  # the shell is waiting on the stream now
-    other = Stream(await connect(redis_url), "lost", "batches", group="learner")
+    other = Stream(await connect(redis_url), "lost", BATCHES)
     await other.publish(codec(TrainBatch).encode(make_batch(step=0)))
     msg_id, batch, _ = await asyncio.wait_for(waiting, 15.0)
     assert len(lost) == 1 and msg_id == lost[0][0] and batch.step == 0

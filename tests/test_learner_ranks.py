@@ -102,11 +102,12 @@ def ranks_vs_one(model_dir, tmp_path_factory):
     from queues.messages import TrainBatch, codec
     from queues.redis_server import EmbeddedRedis
     from queues.streams import Stream, connect
+    from queues.topology import BATCHES
 
     root = tmp_path_factory.mktemp("ranks")
     batch = make_batch(seed=11, groups=3, n=4, budget=44)  # 5 micro-batches
     async def publish(url: str, run_id: str) -> None:
-        stream = Stream(await connect(url), run_id, "batches", group="learner")
+        stream = Stream(await connect(url), run_id, BATCHES)
         await stream.ensure_group()
         await stream.publish(codec(TrainBatch).encode(batch))
 

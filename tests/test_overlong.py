@@ -10,6 +10,7 @@ from policies.grpo import group_advantages
 from policies.overlong import shape, soft_penalty
 from queues.messages import ScoredGroup, TrainBatch, codec, pack_ids
 from queues.streams import Stream, connect
+from queues.topology import SCORED
 from tests.test_assembler import scored
 
 
@@ -87,7 +88,7 @@ def test_config_resolves_the_buffer_and_refuses_bad_values():
 
 async def test_collect_reports_overlong_counts_and_scored_rewards(redis_url):
     redis = await connect(redis_url)
-    stream = Stream(redis, "ol", "scored", group="assembler")
+    stream = Stream(redis, "ol", SCORED)
     await stream.ensure_group()
     asm = Assembler(AssemblerConfig(overlong="soft_penalty", max_tokens=8, overlong_buffer=4),
                     RunContext(run_id="ol", redis_url=redis_url))

@@ -17,6 +17,7 @@ from config import AssemblerConfig, GeneratorConfig, ModelConfig
 from queues.messages import (PromptTask, RolloutGroup, ScoredGroup, codec, oldest_version, pack_ids, sample_versions,
                              unpack_floats, unpack_ids)
 from queues.streams import Stream, connect
+from queues.topology import PROMPTS, ROLLOUTS
 
 torch.set_num_threads(1)
 
@@ -50,8 +51,8 @@ async def test_a_rollout_interrupted_by_a_weight_update_continues_under_the_new_
     engine.eos_ids = set()  # an untrained model may end a row at once; this test needs long rows
     gen = Generator(engine, GEN_CFG, consume_block_ms=20)
     redis = await connect(redis_url)
-    prompts = Stream(redis, RUN, "prompts", group="generators")
-    rollouts = Stream(redis, RUN, "rollouts", group="scorers")
+    prompts = Stream(redis, RUN, PROMPTS)
+    rollouts = Stream(redis, RUN, ROLLOUTS)
     await prompts.ensure_group()
     await rollouts.ensure_group()
     tasks = [_task(engine, i) for i in range(3)]
@@ -132,7 +133,7 @@ async def test_stop_while_requests_are_parked_finishes_them_instead_of_hanging(r
     engine = SimulatedEngine(cfg, mean_response_tokens=200, sigma=0.01, tick_s=0.002, seed=1)
     gen = Generator(engine, cfg, consume_block_ms=20)
     redis = await connect(redis_url)
-    prompts = Stream(redis, RUN, "prompts", group="generators")
+    prompts = Stream(redis, RUN, PROMPTS)
     await prompts.ensure_group()
     task = PromptTask(task_id="0:0:0", prompt_id="q", step=0, policy_version=0, prompt_tokens=pack_ids([1, 2]), n=2)
     await prompts.publish(codec(PromptTask).encode(task))

@@ -34,10 +34,11 @@ def _group(q, texts, error="", prompt_id="p0", gold_sql=None):
 
 async def _streams(url: str, run: str):
     from queues.streams import Stream, connect
+    from queues.topology import ROLLOUTS, SCORED
 
     redis = await connect(url)
-    rollouts = Stream(redis, run, "rollouts", group="scorers")
-    scored = Stream(redis, run, "scored", group="assembler")
+    rollouts = Stream(redis, run, ROLLOUTS)
+    scored = Stream(redis, run, SCORED)
     await rollouts.ensure_group()
     await scored.ensure_group()
     return redis, rollouts, scored

@@ -6,9 +6,10 @@ import pytest
 
 from queues.messages import RolloutGroup, Sample, PromptTask, codec, pack_ids, pack_floats
 from queues.streams import RedisUnavailable, Stream, connect, redact, stream_key
+from queues.topology import ROLLOUTS
 
 
-async def _stream(url, stage="rollouts", group="scorers", **kw):
+async def _stream(url, stage=ROLLOUTS, group=None, **kw):
     redis = await connect(url)
     s = Stream(redis, "t1", stage, group, **kw)
     await s.ensure_group()
@@ -98,7 +99,7 @@ async def test_backpressure_blocks_above_high_water_and_releases_on_ack(redis_ur
 
 async def test_trimming_bounds_memory_once_every_group_acked(redis_url):
     scorers = await _stream(redis_url, group="scorers", trim_every=10)
-    audit = Stream(scorers.redis, "t1", "rollouts", "audit", trim_every=10)
+    audit = Stream(scorers.redis, "t1", ROLLOUTS, "audit", trim_every=10)
     await audit.ensure_group()
     payload = b"x" * 10_000
     for _ in range(200):

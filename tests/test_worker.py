@@ -4,12 +4,13 @@ import asyncio
 import pytest
 
 from queues.streams import Stream, connect
+from queues.topology import ROLLOUTS
 from queues.worker import Worker
 
 
 async def _stream(url: str, run: str = "w") -> tuple:
     redis = await connect(url)
-    s = Stream(redis, run, "rollouts", group="g")
+    s = Stream(redis, run, ROLLOUTS, "g")
     await s.ensure_group()
     return redis, s
 

@@ -86,18 +86,18 @@ class Coordinator(BoundedCalls, WeightSyncHandshake, Checkpointing):
         """The run's streams, and the events consumer (the one consumer loop, queues.worker.Worker) in
         the background: every "generated" notice is recorded, then acked."""
         from queues.streams import RunStreams
+        from queues.topology import DATA_FLOW, EVENTS, PROMPTS
         from queues.worker import Worker
 
         self.conn = await RunStreams.open(self.ctx.redis_url, self.run_id)
         hw = self.cfg.cluster.stream_high_water
-        self.prompts = self.conn.stream("prompts", group="generators", high_water=hw)
-        self.events = self.conn.stream("events", group="coordinator", high_water=0)
-        self.depth_streams = {s: self.conn.stream(s, group=g) for s, g in
-                              [("prompts", "generators"), ("rollouts", "scorers"), ("scored", "assembler"), ("batches", "learner")]}
+        self.prompts = self.conn.stream(PROMPTS, high_water=hw)
+        self.events = self.conn.stream(EVENTS, high_water=0)
+        self.depth_streams = {spec.name: self.conn.stream(spec) for spec in DATA_FLOW}
         for s in (self.prompts, self.events, *self.depth_streams.values()):
             await s.ensure_group()
         self._event_arrived = asyncio.Event()
-        self._events_worker = Worker(self.events, "coordinator", self._on_event, concurrency=64, read_count=512,
+        self._events_worker = Worker(self.events, EVENTS.group, self._on_event, concurrency=64, read_count=512,
                                      reclaim_idle_s=self.cfg.cluster.reclaim_idle_s, heartbeat=False, on_error="raise")
         self._events_task = asyncio.create_task(self._events_worker.run())
 

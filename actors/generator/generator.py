@@ -2,9 +2,9 @@
 
 Invariants:
 - Per-prompt fan-out: every task becomes one `engine.generate(task)`; its RolloutGroup is
-  published to the "rollouts" stream the moment it finishes, whatever the others are doing.
+  published to ROLLOUTS (queues.topology) the moment it finishes, whatever the others are doing.
   Up to `max_inflight_prompts` requests are in flight at once.
-- A task is acked on "prompts" only after its group is published, so a generator that dies
+- A task is acked on PROMPTS only after its group is published, so a generator that dies
   mid-task leaves it pending; live generators reclaim (XAUTOCLAIM) tasks idle longer than
   `reclaim_idle_s`. A live generator keeps its own in-flight tasks fresh (heartbeat) so
   they are not stolen while it still works on them. All three are the one consumer loop's
@@ -113,16 +113,17 @@ class Generator:
         own pending tasks first, reclaim of a dead peer's, a heartbeat over the tasks in flight here,
         ack after the group (and its "generated" event) is published; no intake while paused."""
         from queues.streams import RunStreams
+        from queues.topology import EVENTS, PROMPTS, ROLLOUTS
         from queues.worker import Worker
 
         self._bind()
         self.generator_id = generator_id
         self._stop = False
         conn = await RunStreams.open(redis_url, run_id)
-        prompts = conn.stream("prompts", group="generators")
-        rollouts = conn.stream("rollouts", high_water=self.stream_high_water)
+        prompts = conn.stream(PROMPTS)
+        rollouts = conn.stream(ROLLOUTS, high_water=self.stream_high_water)
         # "generated" notices let the coordinator sleep the engines the moment a step is done.
-        self._events = conn.stream("events", high_water=0)
+        self._events = conn.stream(EVENTS, high_water=0)
         # A failed publish (Redis gone past its retry budget) is logged and leaves the task pending for
         # a reclaim; stop() waits for what is in flight (drain_s=None: the engine bounds a request).
         self._worker = Worker(prompts, generator_id, lambda eid, data: self._serve(data, rollouts),

@@ -98,6 +98,7 @@ class LearnerShell:
         """Rank 0: the run's batches stream (ctx), read by the one consumer loop in pull mode
         (queues.worker.Worker.take). The first `_take` connects by itself if this was not called."""
         from queues.streams import RunStreams
+        from queues.topology import BATCHES
         from queues.worker import Worker
 
         if getattr(self, "batch_worker", None) is not None:
@@ -105,7 +106,7 @@ class LearnerShell:
         if not self.ctx.redis_url:
             raise RuntimeError("learner: its RunContext has no redis_url")
         self.conn = await RunStreams.open(self.ctx.redis_url, self.ctx.run_id)
-        self.batches = self.conn.stream("batches", group="learner")
+        self.batches = self.conn.stream(BATCHES)
         await self.batches.ensure_group()
         self.batch_worker = Worker(self.batches, "learner-0", reclaim_idle_s=self.ctx.reclaim_idle_s, block_ms=500,
                                    read_count=4)
