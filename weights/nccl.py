@@ -28,6 +28,7 @@ from weights.protocol import (
 from weights.wire import WeightSyncError
 
 log = logging.getLogger(__name__)
+IN_WORKERS = "engine"  # a generator's receiver slot when its engine's workers joined the group themselves
 
 
 # -- the steps: a learner rank's ------------------------------------------------------------------
@@ -228,7 +229,7 @@ class BroadcastTransport(Transport):
     async def join(self, end: Any, rdv: Rendezvous, first: int) -> tuple[None, None]:
         old = end.halves.pop(self.key, None)
         end.halves.pop((self.key, "group"), None)
-        if old is not None and old != "engine":
+        if old is not None and old != IN_WORKERS:
             try:
                 old.close()
             except Exception as e:  # noqa: BLE001 - a broken group; the new one replaces it anyway
@@ -236,7 +237,7 @@ class BroadcastTransport(Transport):
         if end.in_workers():
             await in_workers(end.engine, self.key, WorkerJoin(rdv, int(first)),
                              timeout=rdv.timeout_s + 30)  # the group's own waits end first
-            receiver: Any = "engine"
+            receiver: Any = IN_WORKERS
         else:
             receiver = BroadcastReceiver(end.load_weights)
             await asyncio.to_thread(receiver.init, rdv, first)
@@ -249,7 +250,7 @@ class BroadcastTransport(Transport):
             raise WeightSyncError("weight sync nccl: this generator is in no weight-sync group (restarted?); "
                                   "it must join first")
         version = int(version)
-        if receiver == "engine":
+        if receiver == IN_WORKERS:
             got = await in_workers(end.engine, self.key, WorkerReceive(version), timeout=rdv.timeout_s + 30)
             if any(g != version for g in got):
                 raise WeightSyncError(f"weight sync nccl: engine workers finished versions {got}, expected {version}")
