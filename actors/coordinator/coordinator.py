@@ -28,13 +28,11 @@ Invariants:
   during the final checkpoint: the device never holds a resident engine and an awake learner at once
   (a mid-run checkpoint is the exception: the engines generate the next step while the learner saves).
 
-It holds one typed handle per role it calls (actors/handles.py: `generators` a GeneratorPool, `learner` a
-LearnerHandle, `assembler` an AssemblerHandle; each call bounded there) and two components built from them:
-`weights` (actors/coordinator/sync.py WeightSync: the weight-sync handshake, resyncing restarted
-generators) and `checkpoints` (actors/coordinator/checkpoint.py Checkpoints). Built like every actor
-(actors/shell.py): `Coordinator(cfg, ctx, train_items, eval_items, generators=..., learner=..., assembler=...)`
-over Ray actor handles or plain objects alike; its "generated" events are read by the one consumer loop
-(queues.worker.Worker).
+It holds a typed handle per role it calls (actors/handles.py: `generators`, `learner`, `assembler`; every
+call bounded there) and components built from them: `weights` (sync.py WeightSync: the sync handshake,
+restarted generators resynced), `checkpoints` (checkpoint.py), `report` (report.py: where metrics go). Built
+like every actor (actors/shell.py) over Ray actor handles or plain objects alike; its "generated" events are
+read by the one consumer loop (queues.worker.Worker).
 """
 from __future__ import annotations
 
@@ -197,12 +195,8 @@ class Coordinator:
         return result
 
     async def queue_depths(self) -> dict[str, float]:
-        out = {}
-        for stage, s in self.depth_streams.items():
-            d = await s.depth()
-            out[f"queue_{stage}_length"] = float(d["length"])
-            out[f"queue_{stage}_pending"] = float(d["pending"])
-        return out
+        depths = {stage: await s.depth() for stage, s in self.depth_streams.items()}
+        return {f"queue_{stage}_{k}": float(d[k]) for stage, d in depths.items() for k in ("length", "pending")}
 
     # -- the step ----------------------------------------------------------------------------
 

@@ -52,7 +52,7 @@ class GeneratorShell:
         self.reconstructed = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         if self.reconstructed and colocated:
             # The learner may be training on our GPU right now: build the engine only when the
-            # coordinator wakes us (heal_generators during generation, or the step's wake).
+            # coordinator wakes us (WeightSync.heal during generation, or the step's wake).
             engine = DeferredEngine(lambda: make_engine(generator_cfg, model_cfg, model_path))
         else:
             engine = make_engine(generator_cfg, model_cfg, model_path)
