@@ -258,7 +258,7 @@ def run_with_relaunches(cfg: RunConfig, ctx: RunContext, model_path: str, train_
     checkpoint it starts again from the beginning (warm start included): nothing of the attempt counts,
     its metrics rows are superseded by the new attempt's. `draws`: the warm start's (launch/inputs.py), kept
     for such a start again."""
-    from actors.coordinator.coordinator import Coordinator
+    from actors.coordinator.checkpoint import Checkpoints
     from launch.place import kill_run_actors, place_and_run
 
     run_id = ctx.run_id
@@ -268,7 +268,7 @@ def run_with_relaunches(cfg: RunConfig, ctx: RunContext, model_path: str, train_
             names = run_id if relaunches == 0 else f"{run_id}:relaunch{relaunches}"
             return place_and_run(cfg, ctx, model_path, train_items, eval_items, log, names, draws=draws)
         except Exception as e:  # noqa: BLE001 - re-raised unless it is an actor death we can resume from
-            latest = Coordinator.latest_checkpoint(Path(ctx.run_dir))
+            latest = Checkpoints.latest(Path(ctx.run_dir))
             if not actor_died(e) or relaunches >= cfg.cluster.max_relaunches:
                 raise
             relaunches += 1

@@ -165,6 +165,7 @@ def test_prompt_longer_than_the_context_is_an_error_group_fake_engine():
     pytest.importorskip("transformers")
     from actors.generator.generator import Generator
     from actors.engines.base import prompt_ids
+    from config import GeneratorConfig
     from queues.messages import PromptTask, pack_ids
 
     class Engine:  # a fake engine with the real length check every engine runs first
@@ -177,10 +178,7 @@ def test_prompt_longer_than_the_context_is_an_error_group_fake_engine():
         def stats(self):
             return {}
 
-    class Cfg:
-        max_inflight_prompts = 1
-
-    gen = Generator(Engine(), Cfg())
+    gen = Generator(Engine(), GeneratorConfig(max_inflight_prompts=1))
     task = PromptTask(task_id="0:0:0", prompt_id="p", step=0, policy_version=0, prompt_tokens=pack_ids([1] * 100_000),
                       n=2)
     group = asyncio.run(gen.generate_one(task))

@@ -291,7 +291,7 @@ def test_a_generator_hung_mid_sync_fails_the_learners_send_within_the_bound_and_
     from queues.errors import one_line
 
     errors: list[str] = []  # each failed attempt's innermost error
-    sync_once = coord._sync_once
+    sync_once = coord.weights._sync_once
 
     async def recording(*args):
         try:
@@ -300,16 +300,16 @@ def test_a_generator_hung_mid_sync_fails_the_learners_send_within_the_bound_and_
             errors.append(one_line(exc))
             raise
 
-    coord._sync_once = recording
-    coord.log = None
-    asyncio.run(coord.sync_weights(1))
-    first = coord._broadcast_rdv
+    coord.weights._sync_once = recording
+    coord.log = coord.weights.log = None
+    asyncio.run(coord.weights.sync(1))
+    first = coord.weights.group
     assert (first.backend, first.timeout_s) == ("gloo", 5.0)  # the config's bound reached the group
     ray.get(learner.sft_step.remote([([5, 6, 7, 8, 9], [10, 11, 12])], 1e-2))  # v2 differs from v1
     pid = ray.get(gens[1].__ray_call__.remote(_freeze_at_next_bucket))
 
     async def sync_through_a_lost_generator() -> None:
-        task = asyncio.create_task(coord.sync_weights(2))
+        task = asyncio.create_task(coord.weights.sync(2))
         deadline = time.monotonic() + GUARD_S
         while not errors:
             assert not task.done() and time.monotonic() < deadline, "the learner's send never failed: a hang"
@@ -323,7 +323,7 @@ def test_a_generator_hung_mid_sync_fails_the_learners_send_within_the_bound_and_
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     assert "5000ms" in errors[0] or "within 0:00:05" in errors[0], errors  # the learner's own bound
-    assert coord._broadcast_rdv not in (None, first)  # rebuilt, with the restarted generator
+    assert coord.weights.group not in (None, first)  # rebuilt, with the restarted generator
     want = ray.get(learner.__ray_call__.remote(_learner_weights))
     for g in gens:
         assert ray.get(g.__ray_call__.remote(_engine_mismatches, want)) == []

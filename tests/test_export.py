@@ -92,6 +92,7 @@ def test_checkpoints_export_prune_then_kill_and_resume(tmp_path):
 
     from transformers import AutoModelForCausalLM
 
+    from actors.coordinator.checkpoint import Checkpoints
     from actors.coordinator.coordinator import Coordinator
     from actors.learner.shell import LearnerShell
     from config import RunContext, apply_overrides
@@ -116,11 +117,11 @@ def test_checkpoints_export_prune_then_kill_and_resume(tmp_path):
     resumed = Coordinator(cfg, RunContext(run_id="exp", run_dir=str(run_dir)), [], [], generators=[], learner=fresh,
                           assembler=None)
 
-    async def no_generators_to_sync(version):  # no generators here (and no Ray for the object store)
+    async def no_generators_to_sync(version, targets=None, attempts=5):  # no generators here (and no Ray for the object store)
         return 0.0
 
-    resumed.sync_weights = no_generators_to_sync
-    latest = Coordinator.latest_checkpoint(run_dir)
+    resumed.weights.sync = no_generators_to_sync
+    latest = Checkpoints.latest(run_dir)
     assert latest.name == "step_000004"
     asyncio.run(resumed.resume_from(latest))
     assert resumed.step == 5 and resumed.version == 5

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from actors.coordinator.bounds import GROUP_SLACK_S, call_bound
-from actors.shell import ActorCallTimeout, call_within
+from actors.handles import GROUP_SLACK_S, AssemblerHandle, CallBounds, GeneratorPool, LearnerHandle, bounded
+from actors.shell import ActorCallTimeout
 from config import RunContext, apply_overrides
 from config.recipes import get_recipe
 from tests.standins import LoopingConsumer
@@ -28,13 +28,14 @@ def _cfg(*overrides: str):
 
 
 def test_a_call_is_bounded_by_call_timeout_s_on_top_of_its_own_wait():
-    cfg = _cfg()
-    assert call_bound(cfg, "generator", "wake") == 0.5
-    assert call_bound(cfg, "generator", "sleep") == call_bound(cfg, "generator", "pause") == 0.75
-    assert call_bound(cfg, "assembler", "collect") == call_bound(cfg, "assembler", "peek") == 2.5
-    assert call_bound(cfg, "assembler", "forget_before") == 0.5
-    assert call_bound(cfg, "learner", "sleep") == 0.5 + GROUP_SLACK_S  # the group's own line comes first
-    assert call_bound(cfg, "learner", "train_from_stream") == 2.5 + GROUP_SLACK_S
+    bounds = CallBounds.of(_cfg())
+    generators, assembler, learner = GeneratorPool([], bounds), AssemblerHandle(None, bounds), LearnerHandle(None, bounds)
+    assert generators.control_s == 0.5  # wake
+    assert generators.pause_s == 0.75  # sleep, pause
+    assert assembler.collect_s == 2.5  # collect, peek
+    assert assembler.control_s == 0.5  # forget_before
+    assert learner.control_s == 0.5 + GROUP_SLACK_S  # sleep: the group's own line comes first
+    assert learner.step_s == 2.5 + GROUP_SLACK_S  # train_from_stream
 
 
 def test_a_zero_call_timeout_is_refused_by_name():
@@ -72,10 +73,10 @@ async def test_fake_frozen_generator_ends_the_coordinator_s_wait_naming_it_and_t
     gens = [_Generator(), _Generator(frozen=True)]
     coord = Coordinator(_cfg(), RunContext(run_id="frozen"), [], [], generators=gens, learner=None, assembler=None)
     with pytest.raises(ActorCallTimeout) as e:
-        await coord._all_generators("sleep", 2)
+        await coord.generators.sleep(2)
     assert str(e.value) == "generator-1.sleep did not return within 0.75 s (the actor is frozen or overloaded)"
     assert gens[0].calls == gens[1].calls == ["sleep"]
-    await coord._all_generators("wake", ["weights"], targets=[gens[0]])  # a live one answers as ever
+    await coord.generators.wake(["weights"], targets=[gens[0]])  # a live one answers as ever
 
 
 async def test_fake_frozen_generator_is_restarted_in_place_once_per_call():
@@ -93,23 +94,23 @@ async def test_fake_frozen_generator_is_restarted_in_place_once_per_call():
         g.frozen = False
         return True
 
-    coord.restart_frozen = restart
-    await coord._all_generators("sleep", 2)
-    assert restarted == [gens[1]] and coord.frozen_restarts == 1
+    coord.generators.restart = restart
+    await coord.generators.sleep(2)
+    assert restarted == [gens[1]] and coord.generators.frozen_restarts == 1
     assert gens[0].calls == ["sleep"] and gens[1].calls == ["sleep", "sleep"]
 
-    coord.restart_frozen = lambda g: restarted.append(g) or True  # restarted, and frozen again
+    coord.generators.restart = lambda g: restarted.append(g) or True  # restarted, and frozen again
     gens[1].frozen = True
     with pytest.raises(ActorCallTimeout) as e:
-        await coord._all_generators("wake", ["weights"])
+        await coord.generators.wake(["weights"])
     assert str(e.value) == "generator-1.wake did not return within 1 s (the actor is frozen or overloaded)"
-    assert restarted == [gens[1], gens[1]] and coord.frozen_restarts == 2
+    assert restarted == [gens[1], gens[1]] and coord.generators.frozen_restarts == 2
 
 
 async def test_fake_frozen_generator_holding_a_step_s_late_groups_is_restarted_and_they_are_waited_for():
     """A step's wait for its groups that times out with some missing asks every generator (health, bounded): a
     frozen one, which holds them pending under its name, is restarted in place, and the wait goes on for the
-    groups its new instance serves once resynced (heal_generators), instead of the collect waiting its whole
+    groups its new instance serves once resynced (WeightSync.heal), instead of the collect waiting its whole
     timeout again and failing them. A late step whose generators all answer is not waited for again.
     Stand-ins (fake): the restarted generator makes the groups it held once healed."""
     from actors.coordinator.coordinator import Coordinator
@@ -127,32 +128,32 @@ async def test_fake_frozen_generator_holding_a_step_s_late_groups_is_restarted_a
         g.frozen = False
         return True
 
-    async def heal(timeout_s=2.0):  # resynced: the new instance serves its pending prompts first
+    async def heal(version, timeout_s=2.0):  # resynced: the new instance serves its pending prompts first
         if not restarted:
             return 0
         coord._generated.update({t: 2.0 for t in ids[1:]})
         coord._event_arrived.set()
         return 1
 
-    coord.restart_frozen, coord.heal_generators = restart, heal
+    coord.generators.restart, coord.weights.heal = restart, heal
     coord._check_events, coord._event_arrived = (lambda: None), asyncio.Event()  # the events consumer's (fake)
     t0 = time.monotonic()
     await coord._wait_generated(ids, 2.0)
     waited = time.monotonic() - t0
     assert all(t in coord._generated for t in ids), "the restarted generator's groups were not waited for"
-    assert restarted == [frozen] and coord.frozen_restarts == 1 and frozen.calls == ["health", "health"]
+    assert restarted == [frozen] and coord.generators.frozen_restarts == 1 and frozen.calls == ["health", "health"]
     assert waited < 2.0 + 0.5 + 1.9  # the second wait ended with the groups, not at its timeout
 
     late = [train_task_id(4, 0)]  # late, but no generator is frozen: one wait, no restart
     t0 = time.monotonic()
     await coord._wait_generated(late, 1.0)
-    assert late[0] not in coord._generated and coord.frozen_restarts == 1 and time.monotonic() - t0 < 1.9
+    assert late[0] not in coord._generated and coord.generators.frozen_restarts == 1 and time.monotonic() - t0 < 1.9
     assert live.calls == ["health", "health"]
 
 
 async def test_fake_restarted_generator_is_resynced_during_an_evaluation():
     """A generator Ray restarted serves nothing until it has the current weights. An evaluation waits for its
-    groups as a step does, resyncing restarted generators meanwhile (heal_generators), instead of waiting its
+    groups as a step does, resyncing restarted generators meanwhile (WeightSync.heal), instead of waiting its
     whole collect_eval timeout, twice, for groups that are never made (the soak's async hang). Stand-ins
     (fake): the restarted lone generator makes the evaluation's groups once healed; the assembler answers
     once they all exist."""
@@ -170,18 +171,19 @@ async def test_fake_restarted_generator_is_resynced_during_an_evaluation():
         published.extend(t.task_id for t in tasks)
         return [t.task_id for t in tasks]
 
-    async def heal(timeout_s=2.0):
+    async def heal(version, timeout_s=2.0):
         heals.append(1)
         for t in published:  # healed: the generator makes the groups it was waiting to make
             coord._generated[t] = 0.0
         coord._event_arrived.set()
         return 1
 
-    async def assembler(method, ids, timeout):
+    async def collect_eval(ids, timeout):
         assert all(t in coord._generated for t in ids), "collect_eval called before the groups existed"
         return {"eval_accuracy": 0.5, "eval_reward_mean": 0.25, "eval_sample_accuracy": 0.25}
 
-    coord._publish, coord.heal_generators, coord._assembler = publish, heal, assembler
+    coord._publish, coord.weights.heal = publish, heal
+    coord.assembler.actor = SimpleNamespace(collect_eval=collect_eval)  # the assembler (fake)
     coord._check_events, coord._event_arrived = (lambda: None), asyncio.Event()  # the events consumer's (fake)
     result = await coord._eval()
     assert heals and result["eval_accuracy"] == 0.5 and result["eval_reward_mean"] == 0.25
@@ -193,7 +195,7 @@ async def test_an_error_of_the_call_itself_passes_as_is_even_a_timeout_error():
             raise TimeoutError("learner: no TrainBatch for step 3")
 
     with pytest.raises(TimeoutError, match="no TrainBatch") as e:
-        await call_within(5.0, "learner", Learner(), "train_from_stream", 3)
+        await bounded(Learner().train_from_stream, 5.0, "learner", 3)
     assert not isinstance(e.value, ActorCallTimeout)
 
 

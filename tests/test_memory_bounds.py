@@ -42,7 +42,7 @@ async def _run_fake_actor_calls_coordinator(steps: int) -> dict[str, int]:
     coord._tasks = lambda step, indices, version, first_slot=0: [train_task_id(step, first_slot + k)
                                                                   for k in range(len(indices))]
     coord._publish, coord.run_step = publish, run_step
-    coord._assembler = coord.save_checkpoint = coord._rest_generators = nothing
+    coord.assembler.forget_before = coord.save_checkpoint = coord._rest_generators = nothing
     out = await coord._steps()
     assert out["steps"] == steps and out["ledger_size"] == 4 * steps  # the run really ran its steps
     return _held(coord)

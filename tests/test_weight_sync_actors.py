@@ -62,7 +62,7 @@ def _train_and_sync(learner, coord, version: int) -> None:
     import ray
 
     ray.get(learner.sft_step.remote([([5, 6, 7, 8, 9], [10, 11, 12])], 1e-2))
-    asyncio.run(coord.sync_weights(version))
+    asyncio.run(coord.weights.sync(version))
     coord.version = version
 
 
@@ -97,28 +97,28 @@ def test_broadcast_sync_rebuilds_its_group_for_restarted_generators(tmp_path, lo
         assert _kill_and_wait_for_restart(g)["needs_weights"]  # it holds the initial weights
 
     train_and_sync(1)
-    first = coord._broadcast_rdv
+    first = coord.weights.group
     assert first is not None and first.backend == "gloo" and first.world_size == 3
     check(1)
     train_and_sync(2)
-    assert coord._broadcast_rdv == first  # a healthy group is reused, not rebuilt per sync
+    assert coord.weights.group == first  # a healthy group is reused, not rebuilt per sync
     check(2)
 
-    # Restarted mid-step: heal_generators resyncs it alone (through the object store, while
+    # Restarted mid-step: WeightSync.heal resyncs it alone (through the object store, while
     # the other keeps generating); the next step's sync rebuilds the group with it.
     kill(gens[1])
-    assert asyncio.run(coord.heal_generators(timeout_s=30)) == 1
+    assert asyncio.run(coord.weights.heal(coord.version, timeout_s=30)) == 1
     assert ray.get(gens[1].receive_weights.remote(get_transport("nccl").call("member"))) is None  # in no group
     check(2)
     train_and_sync(3)
-    second = coord._broadcast_rdv
+    second = coord.weights.group
     assert second is not None and second != first
     check(3)
 
     # Restarted between steps, unnoticed until the sync: the membership check rebuilds first.
     kill(gens[0])
     train_and_sync(4)
-    assert coord._broadcast_rdv not in (None, first, second)
+    assert coord.weights.group not in (None, first, second)
     check(4)
     # No sync had to be redone: each restart was seen before a broadcast needed the generator.
     assert [e for e in coord.log.events if e[1] != "weight-sync group built"] == [
@@ -139,7 +139,7 @@ def test_colocated_generator_restarted_by_ray_builds_its_engine_only_when_healed
     h = _kill_and_wait_for_restart(disaggregated)  # its own GPU: rebuilt at once, as before
     assert (h["reconstructed"], h["needs_weights"], h["engine_built"]) == (True, True, True), h
 
-    assert asyncio.run(coord.heal_generators(timeout_s=30)) == 2
+    assert asyncio.run(coord.weights.heal(coord.version, timeout_s=30)) == 2
     want = ray.get(learner.__ray_call__.remote(_learner_weights))
     for g in (colocated, disaggregated):
         h = ray.get(g.health.remote())
