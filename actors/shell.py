@@ -18,7 +18,7 @@ Invariants:
   stages whose state survives a Ray restart (generators, scorers, the assembler: a restarted one takes
   back its pending messages; the learner and the coordinator are relaunched from a checkpoint
   instead). Where it runs (name, resources, bundle) is the caller's `.options`.
-- The actor's process title is `ray::<class name>` (what bench/chaos targets).
+- The actor's process title is `ray::<class name>` (what bench/faults/chaos targets).
 - `call(handle, method, ...)` awaits a method alike on a Ray actor handle or on the plain object
   itself, which is how the coordinator's code runs unchanged in tests without Ray.
 - Every wait on an actor has a bound: `call_within` (async) and `get_within` (ray.get) end a call that

@@ -1,4 +1,4 @@
-"""The service-under-load bench in seconds: `python -m bench.serve_load` against `python -m launch.serve`
+"""The service-under-load bench in seconds: `python -m bench.serve.load` against `python -m launch.serve`
 (started as a user starts it) on the tests' tiny export, half of a few clients hostile.
 
 Every answer must be below 500, no request may fail on the client side (a timeout, a dropped
@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from bench import serve_load
+from bench.serve import load as serve_load
 
 
 @pytest.mark.slow  # builds the tiny export and starts the service with its own Ray

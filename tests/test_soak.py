@@ -1,4 +1,4 @@
-"""The soak's CI form: `python -m bench.soak` for SOAK_MINUTES (default 2) instead of an hour.
+"""The soak's CI form: `python -m bench.faults.soak` for SOAK_MINUTES (default 2) instead of an hour.
 
 Both halves (colocated; async with 2 learner ranks), a fault every ~15 s drawn from every kind the full
 soak draws (SIGKILL of a generator, a scorer, the assembler, a learner rank, the coordinator; Redis
@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from bench import soak
+from bench.faults import soak
 
 
 @pytest.mark.slow  # two whole tiny runs under faults
