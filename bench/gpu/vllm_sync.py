@@ -17,7 +17,7 @@ KL to the learner's new weights.
 
 The transport is the one factory's (weights.strategy): CUDA IPC on a GPU, the object store on CPU.
 vLLM's own weight transfer (vllm.distributed.weight_transfer) was measured against it here (SYNC=compare,
-issue 23: 3.1x slower per sync at equal memory on the H200, docs/PERFORMANCE.md) and removed.
+issue 23: 3.1x slower per sync at equal memory on the H200, docs/perf/weight_sync.md) and removed.
 
 Env: ENGINE (vllm|transformers), MODEL (0.6B|smoke), CYCLES (5), SYNC (ipc|bytes: the plain-bytes path), LR (1e-3:
 one Adam step visibly moves a random model), BUCKET_MB (512), GPU_UTIL (0.3), OUT (results dir; $OUT on the device).
