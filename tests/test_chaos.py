@@ -5,7 +5,7 @@ A tiny run with real redis-server (AOF) and Ray loses one generator, one scorer,
 checkpoint; one launch survives its learner's and coordinator's deaths by relaunching itself, and one
 whose learner dies before any checkpoint starts again from the beginning. Nothing may be lost or trained
 twice, and nothing may be left running.
-The full 20+ kill figures are in docs/RELIABILITY.md.
+The full 20+ kill figures are in docs/reliability/faults.md.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Every answer must be below 500, no request may fail on the client side (a timeou
 connection), and every hostile request (endless CTEs, writes, stacked statements, ATTACH, huge results,
 a body over the cap, an over-long question, bad JSON, an unknown database) is answered with a 4xx or a
 200 whose verdict says the sandbox refused or cut it. The 64-client, 5-minute figures are in
-docs/RELIABILITY.md.
+docs/reliability/serve.md.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ soak draws (SIGKILL of a generator, a scorer, the assembler, a learner rank, the
 killed and restarted from its AOF; a burst of hostile SQL and an undecodable entry in the rollouts
 stream), real redis-server, Ray, actors and launcher. Nothing may be lost, trained twice or hang, every
 fault must be recovered from, each half must stop on SIGTERM through the launcher's own teardown
-(exit 130) and leave no process. The hour's figures are in docs/RELIABILITY.md.
+(exit 130) and leave no process. The hour's figures are in docs/reliability/soak.md.
 """
 from __future__ import annotations
 

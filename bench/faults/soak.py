@@ -272,7 +272,7 @@ def run_half(name: str, run_root: Path, seconds: float, fault_every: float, rng:
                 break
         elif faults and open_fault is None and now >= next_fault and (run_dir / "checkpoints" / "latest").exists():
             # (not before the first checkpoint: a learner or coordinator death then ends the launch, as it
-            # has nothing to relaunch from; docs/RELIABILITY.md)
+            # has nothing to relaunch from; docs/reliability/soak.md)
             if not bag:
                 bag = rng.sample(faults, len(faults))
             kind = bag.pop()
