@@ -90,16 +90,16 @@ async def main_async(args) -> str:
     lines = [
         "# Generation: transformers engine on CPU",
         "",
-        f"- **Summary:** {max(t for _, t in rows):,.0f} tokens/s at best on the tiny model; a finished group reaches "
-        f"the rollouts stream in {med * 1e3:.0f} ms (median)",
-        f"- **Command:** `.venv/bin/python -m bench.cpu.generation --max-tokens {args.max_tokens} --n {args.n} "
-        f"--rounds {args.rounds} --threads {args.threads}`",
+        (f"- **Summary:** {max(t for _, t in rows):,.0f} tokens/s at best on the tiny model; a finished group reaches "
+         f"the rollouts stream in {med * 1e3:.0f} ms (median)"),
+        (f"- **Command:** `.venv/bin/python -m bench.cpu.generation --max-tokens {args.max_tokens} --n {args.n} "
+         f"--rounds {args.rounds} --threads {args.threads}`"),
         f"- **Machine:** 2-core CPU (shared with other work), torch {torch.__version__}, {args.threads} torch thread(s)",
         f"- **Date:** {datetime.date.today().isoformat()}",
         "",
-        f"Model: tiny random-init Qwen3 (hidden {p.tiny_hidden_size}, {p.tiny_layers} layers, {p.tiny_heads} heads, "
-        f"vocab {p.tiny_vocab_size}), float32; each prompt samples n={args.n} x {args.max_tokens} tokens "
-        f"(eos may end some earlier).",
+        (f"Model: tiny random-init Qwen3 (hidden {p.tiny_hidden_size}, {p.tiny_layers} layers, {p.tiny_heads} heads, "
+         f"vocab {p.tiny_vocab_size}), float32; each prompt samples n={args.n} x {args.max_tokens} tokens "
+         f"(eos may end some earlier)."),
         "",
         "| concurrent prompts | sequences in flight | tokens/s |",
         "| --- | --- | --- |",
@@ -107,9 +107,9 @@ async def main_async(args) -> str:
     lines += [f"| {c} | {c * args.n} | {tps:,.0f} |" for c, tps in rows]
     lines += [
         "",
-        f"Group completion -> arrival on the rollouts stream (embedded redis-server on a unix socket, "
-        f"{args.latency_tasks} tasks of mixed length through `Generator.run`, the scorer-side reader polling "
-        f"with 5 ms blocks): median {med * 1e3:.2f} ms, p95 {p95 * 1e3:.2f} ms, max {mx * 1e3:.2f} ms.",
+        (f"Group completion -> arrival on the rollouts stream (embedded redis-server on a unix socket, "
+         f"{args.latency_tasks} tasks of mixed length through `Generator.run`, the scorer-side reader polling "
+         f"with 5 ms blocks): median {med * 1e3:.2f} ms, p95 {p95 * 1e3:.2f} ms, max {mx * 1e3:.2f} ms."),
         "",
         "The latency includes encoding, the backlog check, XADD and the reader's XREADGROUP; on a 2-core",
         "machine it also includes waiting for the decode thread to yield the GIL.",
