@@ -18,7 +18,7 @@ Invariants:
   stages whose state survives a Ray restart (generators, scorers, the assembler: a restarted one takes
   back its pending messages; the learner and the coordinator are relaunched from a checkpoint
   instead). Where it runs (name, resources, bundle) is the caller's `.options`.
-- The actor's process title is `ray::<class name>` (what bench/chaos targets).
+- The actor's process title is `ray::<class name>` (what bench/faults/chaos targets).
 - Callers reach an actor through its role's typed handle (actors/handles.py), never by a method's name.
 - Every wait on an actor has a bound: `await_within` (the handles' calls) ends a call that did not
   return in time with `ActorCallTimeout`, one line naming the actor and the call. A frozen

@@ -184,7 +184,7 @@ def run(cfg: RunConfig) -> int:
                 log.info("resume: dropped the crashed attempt's streams", keys=purged)
         start_ray(cfg, run_dir, log)
         # Again: ray.init installs its own SIGTERM handler (the driver aborts with a C++ stack, skipping
-        # this teardown); ours makes SIGTERM the Ctrl-C path (bench/soak.py stops every half with it).
+        # this teardown); ours makes SIGTERM the Ctrl-C path (bench/faults/soak.py stops every half with it).
         signal.signal(signal.SIGTERM, on_sigterm)
         inputs = pending.result()
         model_path, train_items, eval_items = inputs.model_path, inputs.train_items, inputs.eval_items

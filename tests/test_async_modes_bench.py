@@ -1,7 +1,7 @@
-"""bench/async_modes.py at toy size: the real Coordinator, Generator(SimulatedEngine), Assembler and Redis
+"""bench/cpu/async_modes.py at toy size: the real Coordinator, Generator(SimulatedEngine), Assembler and Redis
 run colocated and async with partial rollouts; every prompt is accounted for, the async boundary
 interrupts in-flight requests and their samples span two versions, staleness stays within bounds."""
-from bench.async_modes import main
+from bench.cpu.async_modes import main
 
 
 def test_async_modes_bench_runs_and_partial_rollouts_cross_the_boundary(tmp_path):

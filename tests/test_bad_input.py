@@ -3,7 +3,7 @@
 Each CLI case runs `python -m launch.cluster tiny ...` in its own session with a timeout: it
 must exit 2 with exactly one line `error: ...` naming the key or file (the traceback, if any,
 goes to the run's logs/launcher.jsonl), never hang, and leave no process of its session behind
-(redis-server, raylet, Ray workers). The table is docs/RELIABILITY.md's bad-input table.
+(redis-server, raylet, Ray workers). The table is docs/reliability/security.md's bad-input table.
 """
 from __future__ import annotations
 

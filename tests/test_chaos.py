@@ -1,15 +1,15 @@
-"""Fault injection, small enough for CI: the short form of `python -m bench.chaos`.
+"""Fault injection, small enough for CI: the short form of `python -m bench.faults.chaos`.
 
 A tiny run with real redis-server (AOF) and Ray loses one generator, one scorer, the assembler
 (SIGKILL) and its redis-server; then a second run loses its learner and resumes from its
 checkpoint; one launch survives its learner's and coordinator's deaths by relaunching itself, and one
 whose learner dies before any checkpoint starts again from the beginning. Nothing may be lost or trained
 twice, and nothing may be left running.
-The full 20+ kill figures are in docs/RELIABILITY.md.
+The full 20+ kill figures are in docs/reliability/faults.md.
 """
 from __future__ import annotations
 
-from bench.chaos import phase_resume, phase_workers
+from bench.faults.chaos import phase_resume, phase_workers
 
 
 def test_worker_and_redis_kills_lose_nothing(tmp_path):

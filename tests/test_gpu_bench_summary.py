@@ -1,8 +1,9 @@
-"""bench/gpu_recipe.py's and bench/gpu_async.py's summaries read from a run's files (metrics.jsonl, the
+"""bench/gpu/recipe.py's and bench/gpu/recipe_async.py's summaries read from a run's files (metrics.jsonl, the
 launcher's and the coordinator's JSON logs): written here as a run writes them, no device needed."""
 import json
 
-from bench import gpu_async, gpu_recipe
+from bench.gpu import recipe as gpu_recipe
+from bench.gpu import recipe_async as gpu_async
 
 
 def write_run(run_dir, rows, launcher, coordinator):

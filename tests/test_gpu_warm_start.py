@@ -1,4 +1,4 @@
-"""bench/gpu_warm_start.py and bench/warm_task.py: the warm-start sweep runs where only torch, transformers, tokenizers and numpy
+"""bench/gpu/warm_start.py and bench/gpu/warm_task.py: the warm-start sweep runs where only torch, transformers, tokenizers and numpy
 are installed (the H200's image), draws what the launcher's warm start draws, and scores as the run does."""
 import json
 import os
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu_warm_start as gws
-from bench.warm_task import load_task, prepare
+from bench.gpu import warm_start as gws
+from bench.gpu.warm_task import load_task, prepare
 from launch.warm_start import step_draws
 from tasks.synthetic import slipped
 
@@ -31,7 +31,7 @@ class Hidden(importlib.machinery.PathFinder):
 sys.meta_path[:] = [Hidden if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
 sys.argv = ["gpu_warm_start"]
 try:
-    runpy.run_module("bench.gpu_warm_start", run_name="__main__")
+    runpy.run_module("bench.gpu.warm_start", run_name="__main__")
 finally:
     loaded = sorted(m for m in sys.modules if m.partition(".")[0] in ABSENT)
     print("ABSENT_LOADED", loaded)

@@ -1,6 +1,6 @@
 """What a long-lived actor keeps in memory does not grow with the steps it has run (issue 27: RSS growth
 <= 10 % over an hour): only the ledger (one outcome per published task, checkpointed and read back by
-bench.chaos's verdict) grows with the run, by design.
+bench.faults.chaos's verdict) grows with the run, by design.
 
 The coordinator's step loop runs here as in the actor, with its actor calls standing in (fake: plain
 coroutines; no Redis, no Ray) so that only its own bookkeeping is measured. A local Ray we start caps the

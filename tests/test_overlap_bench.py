@@ -1,11 +1,11 @@
-"""Smoke test of bench/overlap.py's core at a tiny size: both modes run the real generator ->
+"""Smoke test of bench/cpu/overlap.py's core at a tiny size: both modes run the real generator ->
 scorer -> assembler path (simulated engine, real Redis, real SQLite) and report sane timings."""
 import asyncio
 import importlib.util
 import os
 import sys
 
-_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "overlap.py")
+_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "cpu", "overlap.py")
 
 
 def _load_overlap_module():

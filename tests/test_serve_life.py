@@ -121,7 +121,7 @@ def test_beyond_loopback_only_the_proxy_is_exposed_it_needs_the_key_and_sigterm_
     psutil = pytest.importorskip("psutil")
     import httpx
 
-    from bench.chaos import descendants
+    from bench.faults.chaos import descendants
     from tests.test_security import LOOPBACK, _listening
     from tests.tiny_export import build
 

@@ -1,11 +1,11 @@
-"""The service-under-load bench in seconds: `python -m bench.serve_load` against `python -m launch.serve`
+"""The service-under-load bench in seconds: `python -m bench.serve.load` against `python -m launch.serve`
 (started as a user starts it) on the tests' tiny export, half of a few clients hostile.
 
 Every answer must be below 500, no request may fail on the client side (a timeout, a dropped
 connection), and every hostile request (endless CTEs, writes, stacked statements, ATTACH, huge results,
 a body over the cap, an over-long question, bad JSON, an unknown database) is answered with a 4xx or a
 200 whose verdict says the sandbox refused or cut it. The 64-client, 5-minute figures are in
-docs/RELIABILITY.md.
+docs/reliability/serve.md.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from bench import serve_load
+from bench.serve import load as serve_load
 
 
 @pytest.mark.slow  # builds the tiny export and starts the service with its own Ray

@@ -1,11 +1,11 @@
-"""The soak's CI form: `python -m bench.soak` for SOAK_MINUTES (default 2) instead of an hour.
+"""The soak's CI form: `python -m bench.faults.soak` for SOAK_MINUTES (default 2) instead of an hour.
 
 Both halves (colocated; async with 2 learner ranks), a fault every ~15 s drawn from every kind the full
 soak draws (SIGKILL of a generator, a scorer, the assembler, a learner rank, the coordinator; Redis
 killed and restarted from its AOF; a burst of hostile SQL and an undecodable entry in the rollouts
 stream), real redis-server, Ray, actors and launcher. Nothing may be lost, trained twice or hang, every
 fault must be recovered from, each half must stop on SIGTERM through the launcher's own teardown
-(exit 130) and leave no process. The hour's figures are in docs/RELIABILITY.md.
+(exit 130) and leave no process. The hour's figures are in docs/reliability/soak.md.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from bench import soak
+from bench.faults import soak
 
 
 @pytest.mark.slow  # two whole tiny runs under faults

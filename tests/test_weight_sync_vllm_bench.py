@@ -1,4 +1,4 @@
-"""bench/gpu_vllm_sync.py's plumbing on CPU: the transformers engine stands in for vLLM (no GPU here),
+"""bench/gpu/vllm_sync.py's plumbing on CPU: the transformers engine stands in for vLLM (no GPU here),
 the object store's plain path for CUDA IPC; the real Learner, batches, sync and mismatch statistics."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_gpu_vllm_sync_bench_runs_on_cpu_with_the_transformers_engine_standing_in_for_vllm(tmp_path):
     env = dict(os.environ, ENGINE="transformers", MODEL="smoke", CYCLES="2", OUT=str(tmp_path),
                ARL_BENCH_WORK=str(tmp_path / "work"), PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-m", "bench.gpu_vllm_sync"], cwd=ROOT, env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "bench.gpu.vllm_sync"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads((tmp_path / "gpu_vllm_sync_ipc.json").read_text())
