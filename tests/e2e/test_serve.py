@@ -18,18 +18,13 @@ import time
 
 import pytest
 
-from tests.conftest import ray_cluster
+from tests.clusters import ray_cluster
+from tests.net import free_port
 from tests.tiny_export import build
 
 httpx = pytest.importorskip("httpx")
 
 KEY = "k3y-for-the-serve-tests"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

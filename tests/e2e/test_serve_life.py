@@ -3,13 +3,13 @@ before Ray starts; SIGTERM in the middle of start-up, or while serving, leaves n
 or temp dir; served beyond loopback with a key, the HTTP proxy is the one socket not on loopback."""
 import contextlib
 import os
+import queue
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import queue
 import threading
 import time
 from pathlib import Path
@@ -18,6 +18,7 @@ import pytest
 
 from launch.serve import main
 from tasks.synthetic import write_dataset
+from tests.net import LOOPBACK, free_port, listening_on
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "k3y-for-the-life-test"
@@ -60,7 +61,7 @@ def test_sigterm_during_start_up_leaves_nothing_behind(fake_export, tmp_path):
     pytest.importorskip("psutil")
     model, bird = fake_export
     with _serving([sys.executable, "-m", "launch.serve", "--model", str(model), "--bird-dir", str(bird),
-                   "--port", str(_free_port()), "--start-timeout", "300"], {}) as run:
+                   "--port", str(free_port()), "--start-timeout", "300"], {}) as run:
         proc, tmp = run["proc"], run["tmp"]
         deadline = time.monotonic() + 180
         ray_dir = None
@@ -104,14 +105,6 @@ def _assert_stopped_clean(proc, err: str, leftover: list) -> None:
     assert leftover == []  # Ray's temp dir and the sandbox pool's
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-
-
 @pytest.mark.slow
 def test_beyond_loopback_only_the_proxy_is_exposed_it_needs_the_key_and_sigterm_leaves_nothing(tmp_path):
     """`--host 0.0.0.0` with ARL_API_KEY on the tiny export, as a user starts it: the printed commands
@@ -122,11 +115,10 @@ def test_beyond_loopback_only_the_proxy_is_exposed_it_needs_the_key_and_sigterm_
     import httpx
 
     from bench.chaos import descendants
-    from tests.integration.test_security import LOOPBACK, _listening
     from tests.tiny_export import build
 
     model, bird = build(tmp_path / "export")
-    port = _free_port()
+    port = free_port()
     with _serving([sys.executable, "-m", "launch.serve", "--model", str(model), "--bird-dir", str(bird),
                    "--host", "0.0.0.0", "--port", str(port), "--start-timeout", "300"], {"ARL_API_KEY": KEY}) as run:
         proc = run["proc"]
@@ -144,7 +136,7 @@ def test_beyond_loopback_only_the_proxy_is_exposed_it_needs_the_key_and_sigterm_
         while not lines.empty():
             printed.append(lines.get())
         tree = set(descendants(proc.pid)) | {proc.pid}
-        listening = _listening(tree)
+        listening = listening_on(tree)
         exposed = sorted(a for a in listening if not a.startswith(LOOPBACK))
         assert exposed == [f"00000000:{port}"], (exposed, listening)  # 0.0.0.0:<port>, the proxy alone
         addrs = [a.address for nic in psutil.net_if_addrs().values() for a in nic

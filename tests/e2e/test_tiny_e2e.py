@@ -1,37 +1,9 @@
 """The tiny recipe end to end on CPU: real Redis, Ray, SQLite, transformers and DeepSpeed."""
 import json
-import subprocess
-import sys
 
 import pytest
 
-OUTCOMES = ("trained", "filtered", "stale", "gold_failed", "failed")
-
-
-def run_tiny(tmp_path, run_id: str, *overrides: str, steps: int = 3, sft_steps: int = 20) -> list[dict]:
-    """A tiny run of 8 prompts per step (3 steps after 20 warm-start steps unless told); returns
-    its per-step metrics rows."""
-    out = subprocess.run([sys.executable, "-m", "launch.cluster", "tiny", f"run_root={tmp_path}",
-                          f"coordinator.steps={steps}", f"model.tiny_sft_steps={sft_steps}", "coordinator.eval_every=0",
-                          "coordinator.checkpoint_every=0", "coordinator.prompts_per_step=8", f"run_id={run_id}",
-                          *overrides], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    # An orderly end: the consumers' loops returned on their own, every actor was killed for good and
-    # none is left; Ray printed no "(raylet) Task ... failed ... The actor was restarted" (what removing
-    # the placement groups under live restartable actors caused on the H200).
-    assert "(raylet)" not in out.stdout + out.stderr and "was restarted" not in out.stdout + out.stderr
-    events = [json.loads(line) for line in (tmp_path / run_id / "logs" / "launcher.jsonl").read_text().splitlines()]
-    stopped = [e for e in events if e["event"] == "actors stopped"]
-    assert len(stopped) == 1 and stopped[0]["alive"] == 0 and "error" not in stopped[0], stopped
-    assert stopped[0]["loops_drained"] == stopped[0]["loops"] >= 2 and stopped[0]["killed"] >= 5, stopped
-    # The launcher lives as long as the run: its inputs (model, tokenizer, prompts, warm-start draws) were
-    # built in a child process (launch/inputs.py), so torch and transformers never entered it.
-    finished = [e for e in events if e["event"] == "run finished"]
-    assert len(finished) == 1 and finished[0]["launcher_torch"] == 0 == finished[0]["launcher_transformers"], finished
-    rows = [json.loads(line) for line in (tmp_path / run_id / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if r["step"] >= 0]
-    assert [r["step"] for r in rows] == list(range(steps))
-    return rows
+from tests.tiny_runs import OUTCOMES, check_two_rank_run, run_tiny
 
 
 def held_out(run_dir) -> list[dict]:
@@ -105,7 +77,6 @@ def test_tiny_async_mode_with_replacement_prompts_and_broadcast_weight_sync_from
     the disaggregated combination: the group is built once and every step's sync reaches it. The
     learner is two ranks at ZeRO-3 (each holds half of every parameter: both gather each module for
     rank 0's broadcast), checked as tests/integration/test_learner_ranks.py checks a two-rank run."""
-    from tests.integration.test_learner_ranks import check_two_rank_run
 
     # The fixed pool of 8 after 25 warm-start steps: most groups have reward variance, so every
     # step trains (8 of 10-13 here) and a few filtered ones are replaced. Over the whole training
@@ -142,3 +113,17 @@ def test_tiny_step_with_no_trainable_group_is_skipped_without_a_sync(tmp_path):
         assert r["prompts"] == r["prompts_filtered"] == 8, r
         assert (r["skipped_update"], r["policy_version"], r["time_training"]) == (1.0, 0.0, 0.0), r
         assert "time_weight_sync" not in r
+
+
+def test_tiny_with_two_learner_ranks_end_to_end(tmp_path):
+    """`tiny` with learner.num_ranks=2 (two processes over gloo; 0.25 CPU each so the 2-CPU cluster
+    still holds every other actor), as the recipe runs it: colocated, ZeRO-0, object-store weight sync
+    (rank 0 sends). Every prompt has one outcome, every step synced its weights, and check_two_rank_run.
+    (Async with a broadcast weight sync at ZeRO-3, both ranks gathering each module for rank 0's
+    broadcast: this module's async run.)"""
+    steps = run_tiny(tmp_path, "ranks2", "data.limit=8", "learner.num_ranks=2", "learner.num_cpus=0.25",
+                     steps=3, sft_steps=25)
+    assert [r["policy_version"] for r in steps] == [1.0, 2.0, 3.0], [r.get("skipped_update") for r in steps]
+    for r in steps:
+        assert r["prompts"] == sum(r.get(f"prompts_{k}", 0) for k in OUTCOMES) == 8, r
+    check_two_rank_run(tmp_path / "ranks2", steps)

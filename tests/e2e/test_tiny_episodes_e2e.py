@@ -2,7 +2,7 @@
 start (error-then-fix episodes, so the model writes tool blocks), 3 GRPO steps end to end on CPU. Fails
 when observations are not fed back (no step with turns_mean > 1 and observation tokens) or not masked
 (the learner's rows hold no loss-masked observation tokens: train_num_obs_tokens, from the masks)."""
-from tests.e2e.test_tiny_e2e import run_tiny
+from tests.tiny_runs import run_tiny
 
 MT = ("generator.max_turns=3", "model.tiny_sft_episodes=0.5", "generator.max_tokens=160",
       "generator.max_observation_tokens=32", "assembler.micro_batch_tokens=8192")

@@ -1,22 +1,21 @@
 """Assembler: outcomes, staleness, dedup and ack-after-publish, against a real redis-server."""
 import asyncio
 
-from actors.assembler import (FAILED, FILTERED, GOLD_FAILED, STALE, TRAINED, Assembler, admit, build_batch,
-                              staleness_metrics)
+from actors.assembler import (
+    FAILED,
+    FILTERED,
+    GOLD_FAILED,
+    STALE,
+    TRAINED,
+    Assembler,
+    admit,
+    build_batch,
+    staleness_metrics,
+)
 from config import AssemblerConfig, RunContext
-from queues.messages import (PromptTask, RolloutGroup, Sample, ScoredGroup, TrainBatch, codec, pack_floats,
-                             pack_ids)
+from queues.messages import ScoredGroup, TrainBatch, codec, pack_ids
 from queues.streams import Stream, connect
-
-
-def scored(task_id, rewards, version=0, error="", gold_failed=False, completion_len=3):
-    task = PromptTask(task_id=task_id, prompt_id=f"q{task_id}", step=0, policy_version=version,
-                      prompt_tokens=pack_ids(range(5)), n=len(rewards))
-    samples = [] if error else [Sample(tokens=pack_ids(range(completion_len)), logprobs=pack_floats([-1.0] * completion_len),
-                                       finish_reason="stop") for _ in rewards]
-    rollout = RolloutGroup(task=task, samples=samples, policy_version=version, error=error)
-    return ScoredGroup(rollout=rollout, rewards=list(rewards), verdicts=["match" if r == 1 else "wrong_result" for r in rewards],
-                       gold_failed=gold_failed)
+from tests.builders import scored
 
 
 def test_every_group_gets_one_outcome():

@@ -1,6 +1,6 @@
 """gpu1_0p6b_async's placement built by the launcher on a real local Ray cluster of its shape: one node, one
 logical GPU (ray.cluster_utils.Cluster, launch.preflight.simulated_cluster). No GPU exists here: the engine and
-the learner rank are stand-ins (tests/integration/test_preflight.py's) that report where Ray put them and when they were
+the learner rank are stand-ins (tests/gpu_standins.py) that report where Ray put them and when they were
 built and put to sleep."""
 import pytest
 
@@ -8,7 +8,7 @@ from config import apply_overrides
 from config.placement import make_placement
 from config.recipes import get_recipe
 from launch.preflight import simulated_cluster
-from tests.integration.test_preflight import _StandIn
+from tests.gpu_standins import GpuStandIn
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def test_async_on_one_gpu_places_engine_and_rank_on_one_bundle_learner_asleep_fi
 
     for module, name in ((actors.generator.shell, "GeneratorShell"), (actors.learner.shell, "LearnerShell"),
                          (actors.scorer, "ScorerShell"), (actors.assembler, "Assembler")):
-        monkeypatch.setattr(module, name, _StandIn)
+        monkeypatch.setattr(module, name, GpuStandIn)
     memory = StartupMemory(structlog.get_logger("test"), enabled=True, timeout_s=120)
     learner, generators, scorers, assembler, placement, groups = create_actors(
         apply_overrides(get_recipe("gpu1_0p6b_async"), []), RunContext(run_id="async1", run_dir=str(tmp_path)),

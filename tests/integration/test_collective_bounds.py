@@ -212,7 +212,7 @@ def test_a_receiver_lost_mid_broadcast_fails_the_send_within_the_bound(sig):
     """The learner's side of a weight sync whose generator is lost after the first bucket: send()
     raises by itself (nobody closes the group) within its bound, instead of waiting forever."""
     import weights as ws
-    from tests.integration.test_weight_sync import BUCKET_MB, make_weights
+    from tests.weightsets import BUCKET_MB, make_weights
 
     ctx = fresh_processes(__name__)
     rdv_queue, events = ctx.Queue(), ctx.Queue()
@@ -284,9 +284,9 @@ def test_a_generator_hung_mid_sync_fails_the_learners_send_within_the_bound_and_
 
     import ray
 
-    from tests.integration.test_weight_sync_actors import _engine_mismatches, _learner_generators_coordinator, _learner_weights
+    from tests.sync_actors import engine_mismatches, learner_generators_coordinator, learner_weights
 
-    learner, gens, coord = _learner_generators_coordinator(tmp_path, "nccl", colocated=[False, False],
+    learner, gens, coord = learner_generators_coordinator(tmp_path, "nccl", colocated=[False, False],
                                                            overrides=("learner.collective_timeout_s=5",))
     from queues.errors import one_line
 
@@ -324,9 +324,9 @@ def test_a_generator_hung_mid_sync_fails_the_learners_send_within_the_bound_and_
             os.kill(pid, signal.SIGKILL)
     assert "5000ms" in errors[0] or "within 0:00:05" in errors[0], errors  # the learner's own bound
     assert coord._broadcast_rdv not in (None, first)  # rebuilt, with the restarted generator
-    want = ray.get(learner.__ray_call__.remote(_learner_weights))
+    want = ray.get(learner.__ray_call__.remote(learner_weights))
     for g in gens:
-        assert ray.get(g.__ray_call__.remote(_engine_mismatches, want)) == []
+        assert ray.get(g.__ray_call__.remote(engine_mismatches, want)) == []
         assert ray.get(g.health.remote())["version"] == 2
 
 

@@ -12,7 +12,7 @@ from config.recipes import get_recipe
 from queues.messages import Event, SchemaError, ScoredGroup, codec
 from queues.streams import RunStreams
 from queues.worker import Worker
-from tests.integration.test_assembler import scored
+from tests.builders import scored
 
 
 async def test_the_coordinator_s_events_consumer_records_acks_and_surfaces_its_failure(redis_url, tmp_path):

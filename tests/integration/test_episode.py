@@ -1,7 +1,6 @@
 """Multi-turn episodes: the protocol (policies/episode.py), the executor (tasks/executor.py), the runner
 (actors/generator/episode.py) over the real TransformersEngine and over a scripted model, the scorer's
 final answers and first-query rewards, and the step metrics."""
-import asyncio
 
 import msgspec
 import numpy as np
@@ -17,27 +16,28 @@ from config import GeneratorConfig, ModelConfig, ScorerConfig
 from config.recipes import get_recipe
 from policies import episode as ep
 from policies.prompt import render_prompt
-from queues.messages import (PromptTask, RolloutGroup, Sample, ScoredGroup, codec, pack_floats, pack_ids,
-                             unpack_floats, unpack_ids, unpack_loss_mask)
+from queues.messages import (
+    PromptTask,
+    RolloutGroup,
+    Sample,
+    codec,
+    pack_floats,
+    pack_ids,
+    unpack_floats,
+    unpack_ids,
+    unpack_loss_mask,
+)
 from tasks.bird import load_split
-from tasks.executor import ToolExecutor
 from tasks.synthetic import write_dataset
-
-torch.set_num_threads(1)
-MODEL_CFG = ModelConfig(source="tiny", dtype="float32")
+from tests.builders import synthetic_question
 
 
 @pytest.fixture(scope="module")
 def question(tmp_path_factory):
-    bird = write_dataset(tmp_path_factory.mktemp("episode") / "syn", num_databases=1, num_questions=20, seed=3)
-    return load_split(bird, "dev")[0]
+    return synthetic_question(tmp_path_factory, "episode", seed=3)
 
-
-@pytest.fixture
-def executor():
-    ex = ToolExecutor(workers=1, timeout_s=2.0, max_rows=1000)
-    yield ex
-    ex.close()
+torch.set_num_threads(1)
+MODEL_CFG = ModelConfig(source="tiny", dtype="float32")
 
 
 def _task(q, ids, n=2, **sampling):

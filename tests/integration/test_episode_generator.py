@@ -16,10 +16,23 @@ from actors.engines.vllm_engine import VLLMEngine
 from actors.generator.episode import EpisodeRunner
 from actors.generator.generator import Generator
 from config import GeneratorConfig
-from policies import episode as ep
-from queues.messages import (PromptTask, RolloutGroup, Sample, pack_floats, pack_ids, sample_versions, unpack_floats,
-                             unpack_ids, unpack_loss_mask)
-from tests.integration.test_episode import executor, question  # noqa: F401 (shared fixtures; tiny_dir is conftest's)
+from queues.messages import (
+    PromptTask,
+    RolloutGroup,
+    Sample,
+    pack_floats,
+    pack_ids,
+    sample_versions,
+    unpack_floats,
+    unpack_ids,
+    unpack_loss_mask,
+)
+from tests.builders import synthetic_question
+
+
+@pytest.fixture(scope="module")
+def question(tmp_path_factory):
+    return synthetic_question(tmp_path_factory, "episode", seed=3)
 
 
 @dataclass
@@ -183,7 +196,7 @@ class TurnScriptFakeEngine:
 async def test_a_generator_dying_mid_episode_loses_nothing_its_prompt_is_reclaimed_and_rerun_fake_model(
         redis_url, tok, question):
     from queues.messages import codec
-    from tests.integration.test_generator import RUN, collect, streams
+    from tests.rollout_streams import RUN, collect, streams
 
     cfg = GeneratorConfig(engine="transformers", max_turns=2, max_tokens=400, tool_workers=1, tool_timeout_s=2.0)
     prompts, rollouts = await streams(redis_url)

@@ -14,10 +14,24 @@ from policies.grpo import policy_loss
 from policies.offpolicy import importance_weights
 from policies.packing import pack
 from policies.prefix import group_runs, pack_shared, part_tokens
-from queues.messages import (SCHEMA, PromptTask, RolloutGroup, Sample, ScoredGroup, TrainBatch, TrainGroup, codec,
-                             pack_floats, pack_ids, unpack_floats, unpack_ids, unpack_loss_mask)
-from tests.integration.test_learner import TEMPERATURE, model_dir  # noqa: F401 - model_dir: a fixture
-from tests.integration.test_shared_prefix import _assert_same_step, batch_of, make_learner, per_sample_logprobs
+from queues.messages import (
+    SCHEMA,
+    PromptTask,
+    RolloutGroup,
+    Sample,
+    ScoredGroup,
+    TrainBatch,
+    TrainGroup,
+    codec,
+    pack_floats,
+    pack_ids,
+    unpack_floats,
+    unpack_ids,
+    unpack_loss_mask,
+)
+from tests.learners import TEMPERATURE, batch_of, per_sample_logprobs
+from tests.learners import assert_same_step as _assert_same_step
+from tests.learners import make_sharing_learner as make_learner
 
 pytestmark = pytest.mark.usefixtures("learner_process_env")  # it builds Learners in this process
 

@@ -8,7 +8,12 @@ import pytest
 from policies import episode as ep
 from tasks import executor as executor_mod
 from tasks.executor import ToolExecutor
-from tests.integration.test_episode import question  # noqa: F401 (the shared fixture)
+from tests.builders import synthetic_question
+
+
+@pytest.fixture(scope="module")
+def question(tmp_path_factory):
+    return synthetic_question(tmp_path_factory, "episode", seed=3)
 
 ENDLESS = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c) SELECT count(*) FROM c"
 

@@ -11,15 +11,14 @@ from actors.engines.hf import TransformersEngine
 from actors.engines.simulated import SimulatedEngine
 from actors.generator.generator import Generator
 from config import GeneratorConfig, ModelConfig
-from queues.messages import PromptTask, RolloutGroup, codec, pack_ids
-from queues.streams import Stream, connect
+from queues.messages import PromptTask, codec, pack_ids
+from tests.rollout_streams import RUN, collect, streams
 
 torch.set_num_threads(1)
 
 MODEL_CFG = ModelConfig(source="tiny", dtype="float32")
 GEN_CFG = GeneratorConfig(engine="transformers", device="cpu", max_tokens=8, max_inflight_prompts=16,
                           max_batch_prompts=16)
-RUN = "gen-test"
 
 
 @pytest.fixture
@@ -31,27 +30,6 @@ def task(engine, i, text="SELECT name FROM singer", n=2, **sampling):
     ids = engine.tokenizer(text)["input_ids"] if text else []
     return PromptTask(task_id=f"0:{i}:0", prompt_id=f"q{i}", step=0, policy_version=0, prompt_tokens=pack_ids(ids),
                       n=n, sampling=sampling, published_at=time.time())
-
-
-async def streams(url):
-    redis = await connect(url)
-    prompts = Stream(redis, RUN, "prompts", group="generators")
-    rollouts = Stream(redis, RUN, "rollouts", group="scorers")
-    await prompts.ensure_group()
-    await rollouts.ensure_group()
-    return prompts, rollouts
-
-
-async def collect(rollouts, count, timeout=30.0):
-    """Reads `count` groups off the rollouts stream, stamping each with its arrival time."""
-    got = []
-    deadline = time.monotonic() + timeout
-    while len(got) < count:
-        assert time.monotonic() < deadline, f"only {len(got)} of {count} groups arrived"
-        for eid, data in await rollouts.consume("scorer0", count=32, block_ms=50):
-            got.append((time.time(), codec(RolloutGroup).decode(data)))
-            await rollouts.ack([eid])
-    return got
 
 
 async def stop(gen, runner):

@@ -4,37 +4,15 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM
 
-from actors.learner.learner import Learner
 from actors.learner.engine import lr_lambda
+from actors.learner.learner import Learner
 from config import LearnerConfig, ModelConfig
-from policies.packing import plan_micro_batches, split_minibatches
-from queues.messages import TrainBatch, TrainGroup, pack_floats, pack_ids
+from queues.messages import TrainBatch
+from tests.learners import TEMPERATURE, assert_params_close, make_batch, make_learner, params
 
 pytestmark = pytest.mark.usefixtures("learner_process_env")  # it builds Learners in this process
-
-TEMPERATURE = 0.7
-MODEL_CFG = ModelConfig(dtype="float32", attn_implementation="sdpa")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=128, vocab_size=256, head_dim=16)
-    path = tmp_path_factory.mktemp("tiny_qwen3")
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
-    return str(path)
-
-
-def make_learner(model_dir, **overrides):
-    total_steps = overrides.pop("total_steps", 10)
-    cfg = dict(zero_stage=0, dtype="float32", lr=1e-2, update_epochs=1, device="cpu", grad_clip=1.0)
-    cfg.update(overrides)
-    return Learner(LearnerConfig(**cfg), MODEL_CFG, model_dir, total_steps=total_steps,
-                   micro_batch_tokens=64, temperature=TEMPERATURE)
-
 
 @pytest.fixture(scope="module")
 def learner(model_dir):
@@ -42,39 +20,11 @@ def learner(model_dir):
     return make_learner(model_dir, update_epochs=2)
 
 
-def make_batch(seed=0, groups=3, n=4, budget=48, minibatches=1, step=0, gen_logprob=-5.0):
-    g = torch.Generator().manual_seed(seed)
-    tgroups = []
-    for k in range(groups):
-        prompt = torch.randint(0, 256, (int(torch.randint(6, 12, (1,), generator=g)),), generator=g)
-        comps = [torch.randint(0, 256, (int(torch.randint(2, 14, (1,), generator=g)),), generator=g) for _ in range(n)]
-        tgroups.append(TrainGroup(
-            prompt_id=f"p{k}", prompt_tokens=pack_ids(prompt), completions=[pack_ids(c) for c in comps],
-            gen_logprobs=[pack_floats(torch.full((len(c),), gen_logprob)) for c in comps],
-            advantages=torch.randn(n, generator=g).tolist(), rewards=[0.0] * n, policy_version=0))
-    pairs = [(gi, s) for gi in range(groups) for s in range(n)]
-    lengths = [len(tgroups[gi].prompt_tokens) // 4 + len(tgroups[gi].completions[s]) // 4 for gi, s in pairs]
-    plan = plan_micro_batches(lengths, budget)
-    return TrainBatch(step=step, policy_version=0, groups=tgroups,
-                      micro_batches=[[pairs[i] for i in mb] for mb in plan],
-                      minibatches=split_minibatches(plan, minibatches, lengths))
-
-
 def sequences(batch):
     from queues.messages import unpack_ids
 
     return [(torch.from_numpy(unpack_ids(grp.prompt_tokens).astype("int64")),
              torch.from_numpy(unpack_ids(c).astype("int64"))) for grp in batch.groups for c in grp.completions]
-
-
-def params(learner):
-    return {k: v.clone() for k, v in learner.state_dict_hf().items()}
-
-
-def assert_params_close(a, b, atol):
-    assert a.keys() == b.keys()
-    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
-    assert worst <= atol, f"parameters differ by {worst}"
 
 
 def assert_same_adam_step(a, b, lr=1e-2):
@@ -382,6 +332,7 @@ def test_torch_varlen_call_matches_per_sample_sdpa_with_a_fake_varlen_attn_of_ea
     or 2.13 (window_size, enable_gqa) computes per-sample sdpa, so the call _torch_varlen builds for
     that torch (causal flag, repeated or native GQA heads) is checked for real against the fallback."""
     import torch.nn.attention.varlen as varlen_mod
+
     from actors.learner import attention
 
     calls = []

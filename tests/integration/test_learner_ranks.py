@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from policies.shard import split_across_ranks
-from tests.conftest import ray_cluster
-from tests.integration.test_learner import MODEL_CFG, TEMPERATURE, make_batch, model_dir  # noqa: F401 - model_dir: a fixture
+from tests.clusters import ray_cluster
+from tests.learners import MODEL_CFG, TEMPERATURE, make_batch
 
 pytestmark = pytest.mark.usefixtures("learner_process_env")  # it builds Learners in this process
 
@@ -164,40 +164,6 @@ def test_a_checkpoint_of_two_ranks_refuses_to_resume_in_one_naming_both_sizes(ra
         one.load(str(ranks_vs_one["root"] / "ckpt2"))
     msg = str(e.value)
     assert "\n" not in msg and "saved by 2 learner rank" in msg and "learner.num_ranks=1" in msg, msg
-
-
-def check_two_rank_run(run_dir: Path, steps: list[dict]) -> None:
-    """A run of learner.num_ranks=2: every trained step was trained once with as many groups as the
-    ledger says, and both ranks logged a world of 2 (also used by tests/e2e/test_tiny_e2e.py's async run,
-    ZeRO-3 with a broadcast weight sync)."""
-    import json
-
-    trained = sum(int(r.get("prompts_trained", 0)) for r in steps)
-    assert trained > 0
-    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
-    assert json.loads((latest / "learner" / "learner_world.json").read_text())["world_size"] == 2
-    counts = json.loads((latest / "learner" / "train_counts.json").read_text())
-    assert all(times == 1 for times, _ in counts.values()), counts  # nothing doubled
-    assert sum(groups for _, groups in counts.values()) == trained, counts  # nothing lost
-    for rank in (0, 1):
-        ready = [json.loads(line) for line in (run_dir / "logs" / f"learner-{rank}.jsonl").read_text().splitlines()]
-        assert [e["world_size"] for e in ready if e["event"] == "learner.ready"] == [2]
-
-
-def test_tiny_with_two_learner_ranks_end_to_end(tmp_path):
-    """`tiny` with learner.num_ranks=2 (two processes over gloo; 0.25 CPU each so the 2-CPU cluster
-    still holds every other actor), as the recipe runs it: colocated, ZeRO-0, object-store weight sync
-    (rank 0 sends). Every prompt has one outcome, every step synced its weights, and check_two_rank_run.
-    (Async with a broadcast weight sync at ZeRO-3, both ranks gathering each module for rank 0's
-    broadcast: tests/e2e/test_tiny_e2e.py's async run.)"""
-    from tests.e2e.test_tiny_e2e import OUTCOMES, run_tiny
-
-    steps = run_tiny(tmp_path, "ranks2", "data.limit=8", "learner.num_ranks=2", "learner.num_cpus=0.25",
-                     steps=3, sft_steps=25)
-    assert [r["policy_version"] for r in steps] == [1.0, 2.0, 3.0], [r.get("skipped_update") for r in steps]
-    for r in steps:
-        assert r["prompts"] == sum(r.get(f"prompts_{k}", 0) for k in OUTCOMES) == 8, r
-    check_two_rank_run(tmp_path / "ranks2", steps)
 
 
 def test_zero3_weight_sync_through_two_ranks_sends_rank_0s_gathered_weights(ranks_vs_one):

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from tests.integration.test_learner import assert_params_close, make_batch, make_learner, model_dir, params  # noqa: F401
+from tests.learners import assert_params_close, make_batch, make_learner, params
 
 pytestmark = pytest.mark.usefixtures("learner_process_env")  # it builds Learners in this process
 

@@ -14,9 +14,9 @@ import pytest
 
 from actors.shell import RESTARTABLE
 from config.placement import make_placement
-from launch.preflight import PreflightFailed, run_probes, simulated_cluster
-from launch.probe import Probe
 from config.recipes import get_recipe
+from launch.preflight import PreflightFailed, run_probes, simulated_cluster
+from tests.gpu_standins import GpuStandIn
 from tests.standins import LoopingConsumer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,38 +75,6 @@ def test_bird_1p7b_one_node_eight_tp1_engines_logical_gpus(cluster_32b):
     assert sorted(i for (_, b), ids in result.bundle_gpus.items() for i in ids) == list(range(8))
 
 
-class _StandIn(Probe):
-    """Stands in for the GPU actors that cannot start here (vLLM engines, CUDA learner ranks): reports where it is."""
-
-    def __init__(self, *args, device_ids=None, **kwargs):
-        super().__init__("stand-in")
-        self.device_ids = device_ids
-        self.built_at, self.slept_at = time.time(), None
-
-    def node_ip(self):  # LearnerGroup's rendezvous calls: where this rank is, where rank 0 listens, join
-        import ray
-
-        return ray.util.get_node_ip_address()
-
-    def listen(self, host=None):
-        return host or "127.0.0.1", 0
-
-    def sleep(self, *args):  # the learner's, before engines start on its GPU (launch.create.create_actors)
-        self.slept_at = time.time()
-
-    def memory(self):  # a GPU process answers actors/device_memory.py's stats; no device here
-        return {"reserved_gib": 0.0}
-
-    def times(self):
-        return self.built_at, self.slept_at
-
-    def join(self, host, port, local=None):
-        return None
-
-    def got_device_ids(self):
-        return self.device_ids
-
-
 def test_launcher_builds_the_plan_s_placement_fake_gpu_actors_stand_in(cluster_32b, monkeypatch, tmp_path):
     import ray
 
@@ -120,7 +88,7 @@ def test_launcher_builds_the_plan_s_placement_fake_gpu_actors_stand_in(cluster_3
 
     for module, name in ((actors.generator.shell, "GeneratorShell"), (actors.learner.shell, "LearnerShell"),
                          (actors.scorer, "ScorerShell"), (actors.assembler, "Assembler")):
-        monkeypatch.setattr(module, name, _StandIn)  # the launcher builds each with actors.shell.spawn
+        monkeypatch.setattr(module, name, GpuStandIn)  # the launcher builds each with actors.shell.spawn
     from config import RunContext, apply_overrides
 
     cfg = apply_overrides(get_recipe("bird_1p7b"), [])  # validated: learner.num_ranks is the placement's
@@ -146,7 +114,7 @@ def test_launcher_builds_the_plan_s_placement_fake_gpu_actors_stand_in(cluster_3
         remove_groups(groups)
 
 
-class _Looping(_StandIn, LoopingConsumer):
+class _Looping(GpuStandIn, LoopingConsumer):
     """A stand-in with a consumer's loop (run until stop) and close: the generator's and scorer's shape."""
 
 

@@ -5,15 +5,13 @@ import pytest
 
 from actors.scorer import Scorer, ScorerLoop
 from config import ScorerConfig
-from queues.messages import PromptTask, RolloutGroup, Sample, ScoredGroup, codec, pack_ids
-from tasks.bird import load_split
-from tasks.synthetic import write_dataset
+from queues.messages import RolloutGroup, ScoredGroup, codec
+from tests.builders import rollout_group, synthetic_question
 
 
 @pytest.fixture(scope="module")
 def question(tmp_path_factory):
-    bird = write_dataset(tmp_path_factory.mktemp("scorer") / "syn", num_databases=1, num_questions=20, seed=2)
-    return load_split(bird, "dev")[0]
+    return synthetic_question(tmp_path_factory, "scorer", seed=2)
 
 
 @pytest.fixture
@@ -22,14 +20,6 @@ def scorer():
                             gold_cache_size=8), scorer_id="test-scorer")
     yield s
     s.close()
-
-
-def _group(q, texts, error="", prompt_id="p0", gold_sql=None):
-    task = PromptTask(task_id=f"0:{prompt_id}:0", prompt_id=prompt_id, step=0, policy_version=0,
-                      prompt_tokens=pack_ids([1, 2, 3]), n=len(texts), db_id=q.db_id, db_path=q.db_path,
-                      gold_sql=q.sql if gold_sql is None else gold_sql, difficulty=q.difficulty)
-    samples = [Sample(tokens=pack_ids([4]), logprobs=b"\0\0\0\0", finish_reason="stop", text=t) for t in texts]
-    return RolloutGroup(task=task, samples=samples, policy_version=0, error=error)
 
 
 async def _streams(url: str, run: str):
@@ -46,11 +36,11 @@ async def _streams(url: str, run: str):
 async def test_score_verdicts_rewards_and_stats(scorer, question):
     texts = [f"<think>easy</think>```sql\n{question.sql}\n```"] * 3 + ["```sql\nSELECT 42\n```", "no idea",
                                                                         "```sql\nSELEC broken\n```"]
-    scored = await scorer.score(_group(question, texts))
+    scored = await scorer.score(rollout_group(question, texts))
     assert scored.verdicts == ["match"] * 3 + ["wrong_result", "no_sql", "sql_error"]
     assert scored.rewards == [1.0] * 3 + [0.1, 0.0, 0.0]
     assert not scored.gold_failed and scored.scorer_id == "test-scorer" and scored.rollout.task.prompt_id == "p0"
-    await scorer.score(_group(question, texts[:1]))
+    await scorer.score(rollout_group(question, texts[:1]))
     stats = scorer.stats()
     assert stats["groups"] == 2 and stats["gold_cache_misses"] == 1 and stats["gold_cache_hits"] == 1
     assert stats["pred_queries"] == 3 + 1 and stats["verdict/match"] == 4
@@ -58,9 +48,9 @@ async def test_score_verdicts_rewards_and_stats(scorer, question):
 
 
 async def test_generation_error_and_gold_failed_groups(scorer, question):
-    failed = await scorer.score(_group(question, ["x", "y"], error="engine died"))
+    failed = await scorer.score(rollout_group(question, ["x", "y"], error="engine died"))
     assert failed.verdicts == ["generation_error"] * 2 and failed.rewards == [0.0, 0.0]
-    bad_gold = await scorer.score(_group(question, [f"```sql\n{question.sql}\n```"], gold_sql="SELECT nope FROM nowhere"))
+    bad_gold = await scorer.score(rollout_group(question, [f"```sql\n{question.sql}\n```"], gold_sql="SELECT nope FROM nowhere"))
     assert bad_gold.gold_failed and bad_gold.verdicts == ["gold_failed"]
     assert scorer.stats()["gold_failed_groups"] == 1
 
@@ -72,7 +62,7 @@ async def test_stream_path_scores_publishes_then_acks(scorer, question, tmp_path
         redis, rollouts, scored = await _streams(server.url, "t1")
         enc = codec(RolloutGroup).encode
         for i in range(5):
-            await rollouts.publish(enc(_group(question, [f"```sql\n{question.sql}\n```", "nothing"], prompt_id=f"p{i}")))
+            await rollouts.publish(enc(rollout_group(question, [f"```sql\n{question.sql}\n```", "nothing"], prompt_id=f"p{i}")))
         await rollouts.publish(b"\x93garbage")  # undecodable: acked and counted, never retried forever
         await rollouts.publish(b"\xc1")  # not even msgpack
         taken = await rollouts.consume("dead-scorer", count=1)  # a scorer that died holding p0
@@ -108,7 +98,7 @@ async def test_one_slow_group_does_not_hold_back_the_others(question, tmp_path):
     with EmbeddedRedis(tmp_path) as server:
         redis, rollouts, scored = await _streams(server.url, "t2")
         enc = codec(RolloutGroup).encode
-        await rollouts.publish(enc(_group(question, [slow_sql], prompt_id="slow")))
+        await rollouts.publish(enc(rollout_group(question, [slow_sql], prompt_id="slow")))
         loop = ScorerLoop(scorer, consumer="c1", batch=4)
         task = asyncio.create_task(loop.run(server.url, "t2"))
         order = []
@@ -118,7 +108,7 @@ async def test_one_slow_group_does_not_hold_back_the_others(question, tmp_path):
                     break
                 await asyncio.sleep(0.02)
             for i in range(3):
-                await rollouts.publish(enc(_group(question, [f"```sql\n{question.sql}\n```"], prompt_id=f"fast{i}")))
+                await rollouts.publish(enc(rollout_group(question, [f"```sql\n{question.sql}\n```"], prompt_id=f"fast{i}")))
             for _ in range(200):
                 for _, data in await scored.consume("a1", count=10, block_ms=50):
                     order.append(codec(ScoredGroup).decode(data).rollout.task.prompt_id)
@@ -145,10 +135,10 @@ async def test_a_database_outside_the_data_directory_is_never_opened(question, t
     root = os.path.dirname(os.path.dirname(os.path.dirname(question.db_path)))
     s = Scorer(ScorerConfig(workers=1, timeout_s=2.0), scorer_id="root", db_root=root)
     try:
-        ok = await s.score(_group(question, [f"```sql\n{question.sql}\n```"]))
+        ok = await s.score(rollout_group(question, [f"```sql\n{question.sql}\n```"]))
         assert ok.verdicts == ["match"] and not ok.gold_failed
         for path in (str(outside), os.path.join(root, "..", "secret.sqlite"), question.db_path + ".missing"):
-            g = _group(question, ["```sql\nSELECT 1\n```"])
+            g = rollout_group(question, ["```sql\nSELECT 1\n```"])
             g.task.db_path = path
             bad = await s.score(g)
             assert bad.verdicts == ["bad_db_path"] and bad.rewards == [0.0] and bad.gold_failed, path

@@ -15,6 +15,7 @@ from pathlib import Path
 import redis
 
 from queues.redis_server import EmbeddedRedis
+from tests.net import LOOPBACK, listening_on
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "s3cret-pw-for-the-test"
@@ -30,31 +31,6 @@ def test_embedded_redis_has_no_tcp_port_by_default_and_loopback_when_asked(tmp_p
         c = redis.Redis(unix_socket_path=str(r.socket_path))
         assert c.config_get("bind")["bind"] == "127.0.0.1"
         c.close()
-
-
-def _listening(pids: set[int]) -> list[str]:
-    """host:port of every TCP socket in LISTEN state held by one of `pids`."""
-    inodes = set()
-    for pid in pids:
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:["):
-                    inodes.add(link[8:-1])
-        except OSError:
-            continue
-    out = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in open(table).read().splitlines()[1:]:
-            f = line.split()
-            if f[3] == "0A" and f[9] in inodes:
-                host, port = f[1].split(":")
-                out.append(f"{host}:{int(port, 16)}")
-    return out
-
-
-# 127.0.0.1, ::1, and ::ffff:127.0.0.1 (gRPC binds IPv4 loopback on an IPv6 socket) as /proc/net writes them
-LOOPBACK = ("0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F")
 
 
 def test_ray_on_loopback_makes_the_node_address_loopback_and_restores_it():
@@ -92,7 +68,7 @@ def test_run_with_password_listens_on_loopback_and_never_logs_the_password(tmp_p
                 except OSError:
                     continue
                 titles.setdefault(pid, set()).add(title)
-                listening.setdefault(pid, set()).update(_listening({pid}))
+                listening.setdefault(pid, set()).update(listening_on({pid}))
             time.sleep(0.5)
         out = proc.communicate(timeout=30)[0].decode(errors="replace")
         assert proc.returncode == 0, out

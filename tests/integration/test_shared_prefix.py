@@ -6,12 +6,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from actors.learner.learner import Learner
-from config import ConfigError, LearnerConfig
-from policies.packing import OversizedSampleWarning, block_causal_mask, pack, plan_micro_batches, split_minibatches
+from config import ConfigError
+from policies.packing import OversizedSampleWarning, block_causal_mask, pack, split_minibatches
 from policies.prefix import group_runs, pack_shared, part_tokens, plan_group_micro_batches
 from queues.messages import TrainBatch, TrainGroup, pack_floats, pack_ids, unpack_ids
-from tests.integration.test_learner import MODEL_CFG, TEMPERATURE, model_dir  # noqa: F401 - model_dir: a fixture
+from tests.learners import TEMPERATURE, batch_of, per_sample_logprobs
+from tests.learners import assert_same_step as _assert_same_step
+from tests.learners import make_sharing_learner as make_learner
 
 pytestmark = pytest.mark.usefixtures("learner_process_env")  # it builds Learners in this process
 
@@ -183,14 +184,6 @@ def test_config_derives_the_assembler_flag_and_refuses_incompatible_attention():
 
 # ----------------------------------------------------------------------------- the learner
 
-def make_learner(model_dir, share: bool, **overrides):
-    cfg = dict(zero_stage=0, dtype="float32", lr=1e-2, update_epochs=1, device="cpu", grad_clip=1.0,
-               share_prompt=share)
-    cfg.update(overrides)
-    return Learner(LearnerConfig(**cfg), MODEL_CFG, model_dir, total_steps=10, micro_batch_tokens=64,
-                   temperature=TEMPERATURE)
-
-
 def make_groups(seed=0, groups=3, n=4):
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -201,32 +194,6 @@ def make_groups(seed=0, groups=3, n=4):
             prompt_id=f"p{k}", prompt_tokens=pack_ids(prompt), completions=[pack_ids(c) for c in comps],
             gen_logprobs=[pack_floats(torch.full((len(c),), -5.0)) for c in comps],
             advantages=torch.randn(n, generator=g).tolist(), rewards=[0.0] * n, policy_version=0))
-    return out
-
-
-def batch_of(groups, budget, share: bool, minibatches=1, step=0):
-    prompts = [len(g.prompt_tokens) // 4 for g in groups]
-    comps = [[len(c) // 4 for c in g.completions] for g in groups]
-    if share:
-        plan, tokens = plan_group_micro_batches(prompts, comps, budget)
-        mbs = split_minibatches(plan, minibatches, tokens=tokens)
-    else:
-        pairs = [(gi, s) for gi in range(len(groups)) for s in range(len(comps[gi]))]
-        lengths = [prompts[gi] + comps[gi][s] for gi, s in pairs]
-        raw = plan_micro_batches(lengths, budget)
-        plan, mbs = [[pairs[i] for i in mb] for mb in raw], split_minibatches(raw, minibatches, lengths)
-        tokens = [sum(lengths[pairs.index(p)] for p in mb) for mb in plan]
-    return TrainBatch(step=step, policy_version=0, groups=groups, micro_batches=plan, minibatches=mbs,
-                      num_tokens=sum(tokens))
-
-
-def per_sample_logprobs(learner, batch):
-    """{(group, sample): log-probs} from the learner's own forward over its packed rows."""
-    out = {}
-    with torch.no_grad():
-        for plan, it in zip(batch.micro_batches, learner._materialise(batch)):
-            for pair, lp in zip(plan, it["packed"].unpack(learner._forward(it["packed"])[0])):
-                out[pair] = lp
     return out
 
 
@@ -268,16 +235,6 @@ def _one_step_weights(model_dir, share: bool, batch, **overrides):
     learner = make_learner(model_dir, share=share, **overrides)
     m = learner.train_step(batch)
     return learner.state_dict_hf(), m
-
-
-def _assert_same_step(a, b, start, lr=1e-2):
-    """One Adam step from equal gradients: all but a handful of elements within 1e-5 (Adam's first update
-    is lr * g / (|g| + eps), so where |g| ~ eps a rounding-level difference in g shows), none more
-    than a tenth of a step apart; and the step moved the weights far more than that."""
-    diffs = torch.cat([(a[k] - b[k]).abs().reshape(-1) for k in a])
-    moved = max(float((a[k] - start[k]).abs().max()) for k in a)
-    assert float((diffs > 1e-5).double().mean()) < 1e-3, f"{int((diffs > 1e-5).sum())} of {diffs.numel()} differ"
-    assert float(diffs.max()) < 0.1 * lr < moved
 
 
 @pytest.mark.parametrize("zero_stage", [0, 3])
@@ -332,7 +289,7 @@ def test_a_micro_batch_listing_a_group_non_contiguously_is_refused_by_name(learn
 def test_assembler_plans_groups_with_the_prompt_counted_once():
     from actors.assembler import build_batch
     from config import AssemblerConfig
-    from tests.integration.test_assembler import scored
+    from tests.builders import scored
 
     groups = [scored(str(i), [1.0, 0.0, 0.1, 0.5], completion_len=3 + i) for i in range(4)]  # prompts of 5
     plain = build_batch(0, 0, groups, AssemblerConfig(micro_batch_tokens=30))

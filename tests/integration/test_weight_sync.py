@@ -6,7 +6,6 @@ import datetime
 import io
 import os
 import queue as queue_mod
-import socket
 import threading
 import time
 
@@ -15,28 +14,8 @@ import torch
 import torch.multiprocessing as mp
 
 import weights as ws
-
-
-
-def make_weights(seed: int, odd_shape: bool = False) -> dict[str, torch.Tensor]:
-    """Mixed dtypes and awkward shapes, ~180 KB in all; NaN payloads check bit-exactness."""
-    g = torch.Generator().manual_seed(seed)
-    w = {
-        "embed.weight": torch.randn(97, 64, generator=g),
-        "layers.0.attn.q.weight": torch.randn(64, 64, generator=g).to(torch.bfloat16),
-        "layers.0.norm.weight": torch.randn(64, generator=g).to(torch.float16),
-        "layers.0.step": torch.tensor(7, dtype=torch.int64),  # 0-d
-        "layers.0.empty": torch.zeros(0, 3),
-        "layers.1.mlp.weight": torch.randn(64, 131, generator=g).t(),  # non-contiguous
-        "layers.1.mask": torch.rand(13, 5, generator=g) > 0.5,
-        "layers.1.ids": torch.randint(-(2**40), 2**40, (33,), generator=g, dtype=torch.int64),
-        "lm_head.weight": torch.randn(97, 64, generator=g).to(torch.bfloat16),
-    }
-    w["embed.weight"][0, :3] = float("nan")
-    w["embed.weight"][1, 0] = -0.0
-    if odd_shape:
-        w["layers.1.mlp.weight"] = torch.randn(131, 63, generator=g)
-    return w
+from tests.net import free_port, listening_on
+from tests.weightsets import BUCKET_MB, make_weights
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -179,15 +158,6 @@ def test_object_store_protocol_without_ray_and_partial_sync_keeps_version():
 # ----------------------------------------------------------------------------- gloo, two processes
 
 
-BUCKET_MB = 30_000 / ws.MB  # forces >= 3 buckets for make_weights
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
     # plain bytes through the result queue: shared-memory tensors would die with this process
     buf = io.BytesIO()
@@ -263,7 +233,7 @@ def gloo_run():
     ctx = mp.get_context("spawn")
     rdv_queue, results = ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_sender_main, args=(rdv_queue, results)),
-             ctx.Process(target=_receiver_main, args=(rdv_queue, results, _free_port()))]
+             ctx.Process(target=_receiver_main, args=(rdv_queue, results, free_port()))]
     for p in procs:
         p.start()
     out = {}
@@ -356,16 +326,15 @@ def test_object_store_sync_between_two_ray_actors(local_ray):
 
 def test_broadcast_store_listens_on_the_rendezvous_host_alone():
     """torch's TCPStore server binds every interface by itself; the sender hands it a loopback socket."""
-    from tests.integration.test_security import _listening
 
     sender = ws.BroadcastSender(lambda mb: iter(()), 1, backend="gloo")
     rdv = sender.listen(2, host="127.0.0.1")
     try:
-        mine = [a for a in _listening({os.getpid()}) if a.endswith(f":{rdv.port}")]
+        mine = [a for a in listening_on({os.getpid()}) if a.endswith(f":{rdv.port}")]
         assert mine == [f"0100007F:{rdv.port}"], mine  # 127.0.0.1 as /proc/net/tcp writes it
     finally:
         sender.close()
-    assert not [a for a in _listening({os.getpid()}) if a.endswith(f":{rdv.port}")]  # closed with the sender
+    assert not [a for a in listening_on({os.getpid()}) if a.endswith(f":{rdv.port}")]  # closed with the sender
 
 
 def _receiver_that_joins_then_waits(rdv_queue, joined):

@@ -6,55 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-import torch
-
-from actors.coordinator.coordinator import Coordinator
-from config import RunContext, apply_overrides
-from config.recipes import tiny
-from tasks.tiny_model import build_tiny
+from tests.sync_actors import engine_mismatches, learner_generators_coordinator, learner_weights
 from weights.strategy import get_transport
-
-def _learner_weights(shell) -> dict[str, torch.Tensor]:
-    return shell.learner.state_dict_hf()
-
-
-def _engine_mismatches(actor, want: dict[str, torch.Tensor]) -> list[str]:
-    """Names whose tensor in this generator's engine is not bit-identical to the learner's."""
-    engine = getattr(actor.gen.engine, "engine", actor.gen.engine)  # a DeferredEngine's built one
-    return sorted(n for n, t in want.items() if not torch.equal(engine._params[engine._aliases[n]].detach().cpu(), t))
-
-
-class RecordingLog:
-    """Stands in for the coordinator's structlog logger: (level, event) of each call."""
-
-    def __init__(self):
-        self.events: list[tuple[str, str]] = []
-
-    def info(self, event: str, **kw) -> None:
-        self.events.append(("info", event))
-
-    def warning(self, event: str, **kw) -> None:
-        self.events.append(("warning", event))
-
-
-def _learner_generators_coordinator(tmp_path, weight_sync: str, colocated: list[bool], overrides: tuple = ()):
-    """A LearnerActor on a fresh tiny model, one GeneratorActor per flag (Ray restarts them: their
-    class's RAY_OPTIONS) and a Coordinator over them (no Redis, no assembler: only its sync and heal
-    paths are called), built as the launcher builds them (actors.shell.spawn)."""
-    from actors.generator.shell import GeneratorShell
-    from actors.learner.shell import LearnerShell
-    from actors.shell import spawn
-
-    cfg = apply_overrides(tiny(), list(overrides))
-    cfg.coordinator.weight_sync = weight_sync
-    model_dir = build_tiny(str(tmp_path / "model"), model_cfg=cfg.model, seed=0)
-    learner = spawn(LearnerShell, cfg.learner, RunContext(), options={"num_cpus": 0}, model_cfg=cfg.model,
-                    model_path=model_dir, total_steps=10, micro_batch_tokens=cfg.assembler.micro_batch_tokens)
-    gens = [spawn(GeneratorShell, cfg.generator, RunContext(), options={"num_cpus": 0}, model_cfg=cfg.model,
-                  model_path=model_dir, colocated=flag) for flag in colocated]
-    coord = Coordinator(cfg, RunContext(run_id="wsa", run_dir=str(tmp_path)), [], [], generators=gens, learner=learner,
-                        assembler=None, log=RecordingLog())
-    return learner, gens, coord
 
 
 def _train_and_sync(learner, coord, version: int) -> None:
@@ -81,15 +34,15 @@ def _kill_and_wait_for_restart(g) -> dict:
 
 def test_broadcast_sync_rebuilds_its_group_for_restarted_generators(tmp_path, local_ray):
     ray = local_ray
-    learner, gens, coord = _learner_generators_coordinator(tmp_path, "nccl", colocated=[False, False])
+    learner, gens, coord = learner_generators_coordinator(tmp_path, "nccl", colocated=[False, False])
 
     def train_and_sync(version: int) -> None:
         _train_and_sync(learner, coord, version)
 
     def check(version: int) -> None:
-        want = ray.get(learner.__ray_call__.remote(_learner_weights))
+        want = ray.get(learner.__ray_call__.remote(learner_weights))
         for g in gens:
-            assert ray.get(g.__ray_call__.remote(_engine_mismatches, want)) == []
+            assert ray.get(g.__ray_call__.remote(engine_mismatches, want)) == []
             h = ray.get(g.health.remote())
             assert (h["version"], h["needs_weights"]) == (version, False), h
 
@@ -130,7 +83,7 @@ def test_colocated_generator_restarted_by_ray_builds_its_engine_only_when_healed
     """Colocated, the learner may be training on the GPU of a generator Ray restarts: it comes back
     with nothing built (a DeferredEngine: no weights, no KV cache) until the coordinator wakes it."""
     ray = local_ray
-    learner, (colocated, disaggregated), coord = _learner_generators_coordinator(
+    learner, (colocated, disaggregated), coord = learner_generators_coordinator(
         tmp_path, "object_store", colocated=[True, False])
     _train_and_sync(learner, coord, 1)  # weights != the initial ones
 
@@ -140,8 +93,8 @@ def test_colocated_generator_restarted_by_ray_builds_its_engine_only_when_healed
     assert (h["reconstructed"], h["needs_weights"], h["engine_built"]) == (True, True, True), h
 
     assert asyncio.run(coord.heal_generators(timeout_s=30)) == 2
-    want = ray.get(learner.__ray_call__.remote(_learner_weights))
+    want = ray.get(learner.__ray_call__.remote(learner_weights))
     for g in (colocated, disaggregated):
         h = ray.get(g.health.remote())
         assert (h["version"], h["needs_weights"], h["engine_built"]) == (1, False, True), h
-        assert ray.get(g.__ray_call__.remote(_engine_mismatches, want)) == []
+        assert ray.get(g.__ray_call__.remote(engine_mismatches, want)) == []

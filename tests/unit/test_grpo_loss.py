@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from policies.grpo import group_advantages, policy_loss
+from tests.builders import grpo_batch
 
 
 def test_group_advantages_match_hand_computation_and_flag_zero_variance():
@@ -27,22 +28,6 @@ def test_group_advantages_single_sample_groups_carry_no_signal():
     assert zero.tolist() == [True, True] and adv.abs().sum() == 0
     with pytest.raises(ValueError, match="groups, n"):
         group_advantages(torch.tensor([1.0, 0.0]))
-
-
-def _batch(seed=0, samples=5, max_len=9, spread=0.5):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, max_len + 1, (samples,), generator=g)
-    mask = torch.arange(max_len)[None, :] < lengths[:, None]
-    old = -torch.rand(samples, max_len, generator=g) * 3
-    lp = old + torch.randn(samples, max_len, generator=g) * spread  # ratios well outside [0.8, 1.28]
-    adv = torch.randn(samples, 1, generator=g).expand(samples, max_len).contiguous()
-    gen = old + torch.randn(samples, max_len, generator=g) * 0.3
-    ref = old + torch.randn(samples, max_len, generator=g) * 0.2
-    ent = torch.rand(samples, max_len, generator=g) * 2
-    # Padding positions hold garbage that must never matter.
-    for t in (lp, old, gen, ref, ent):
-        t[~mask] = float("nan")
-    return lp, old, adv, mask, gen, ref, ent
 
 
 def _reference(lp, old, adv, mask, gen, ref, ent, clip_low, clip_high, agg, kl_coef, entropy_coef, tis_cap):
@@ -77,7 +62,7 @@ def _reference(lp, old, adv, mask, gen, ref, ent, clip_low, clip_high, agg, kl_c
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 @pytest.mark.parametrize("kl_coef,entropy_coef,tis_cap", [(0.0, 0.0, 0.0), (0.1, 0.01, 2.0)])
 def test_loss_and_gradient_equal_float64_reference(agg, kl_coef, entropy_coef, tis_cap):
-    lp, old, adv, mask, gen, ref, ent = _batch()
+    lp, old, adv, mask, gen, ref, ent = grpo_batch()
     x = lp.clone().requires_grad_(True)
     loss, metrics = policy_loss(x, old, adv, mask, clip_low=0.2, clip_high=0.28, agg=agg, ref_logprobs=ref,
                                 kl_coef=kl_coef, entropy=ent, entropy_coef=entropy_coef, gen_logprobs=gen,
@@ -96,7 +81,7 @@ def test_loss_and_gradient_equal_float64_reference(agg, kl_coef, entropy_coef, t
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_micro_batches_with_minibatch_normaliser_equal_one_big_batch(agg):
-    lp, old, adv, mask, *_ = _batch(seed=3, samples=6)
+    lp, old, adv, mask, *_ = grpo_batch(seed=3, samples=6)
     x = lp.clone().requires_grad_(True)
     full, _ = policy_loss(x, old, adv, mask, agg=agg)
     full.backward()
@@ -113,7 +98,7 @@ def test_micro_batches_with_minibatch_normaliser_equal_one_big_batch(agg):
 
 
 def test_flat_packed_tokens_with_seq_ids_equal_the_padded_layout():
-    lp, old, adv, mask, *_ = _batch(seed=5)
+    lp, old, adv, mask, *_ = grpo_batch(seed=5)
     seq = torch.arange(mask.shape[0])[:, None].expand_as(mask)
     padded, _ = policy_loss(lp, old, adv, mask, agg="seq-mean-token-mean")
     flat, _ = policy_loss(lp[mask], old[mask], adv[mask], torch.ones(int(mask.sum()), dtype=torch.bool),
@@ -125,7 +110,7 @@ def test_flat_packed_tokens_with_seq_ids_equal_the_padded_layout():
 
 
 def test_on_policy_ratio_is_exactly_one():
-    _, old, adv, mask, *_ = _batch(seed=1)
+    _, old, adv, mask, *_ = grpo_batch(seed=1)
     old = torch.nan_to_num(old)
     loss, m = policy_loss(old.clone().requires_grad_(True), old, adv, mask)
     assert m["ratio_mean"] == 1.0 and m["ratio_max"] == 1.0

@@ -7,7 +7,7 @@ import torch
 
 from policies.grpo import policy_loss
 from policies.objectives import surrogate
-from tests.unit.test_grpo_loss import _batch as grpo_batch
+from tests.builders import grpo_batch
 
 
 def _batch(seed=0, samples=6, spread=0.4):

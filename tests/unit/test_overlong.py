@@ -3,14 +3,13 @@ samples cut after their group's advantages, counts in the step's metrics, config
 import pytest
 import torch
 
-from actors.assembler import FILTERED, TRAINED, Assembler, admit, apply_overlong, build_batch
-from config import AssemblerConfig, ConfigError, RunContext
+from actors.assembler import FILTERED, TRAINED, admit, apply_overlong, build_batch
+from config import AssemblerConfig, ConfigError
 from config.validate import validate
 from policies.grpo import group_advantages
 from policies.overlong import shape, soft_penalty
-from queues.messages import ScoredGroup, TrainBatch, codec, pack_ids
-from queues.streams import Stream, connect
-from tests.integration.test_assembler import scored
+from queues.messages import TrainBatch, codec, pack_ids
+from tests.builders import overlong_group
 
 
 def test_soft_penalty_by_hand():
@@ -33,17 +32,9 @@ def test_shape_modes():
         shape(rewards, lengths, trunc, "drop", 100, 20)
 
 
-def _group(lengths, rewards, truncated):
-    g = scored("t", rewards, completion_len=max(lengths))
-    for s, n, t in zip(g.rollout.samples, lengths, truncated):
-        s.tokens, s.logprobs = pack_ids(range(n)), s.logprobs[: 4 * n]
-        s.finish_reason = "length" if t else "stop"
-    return g
-
-
 def test_none_is_todays_assembler_exactly():
     cfg = AssemblerConfig(max_tokens=8, overlong_buffer=4)
-    g = _group([3, 8, 8], [1.0, 0.0, 1.0], [False, True, True])
+    g = overlong_group([3, 8, 8], [1.0, 0.0, 1.0], [False, True, True])
     same, keep, counts = apply_overlong(g, cfg)
     assert same is g and keep == [True] * 3 and counts == {}
     assert codec(TrainBatch).encode(build_batch(0, 0, [g], cfg, [keep])) == codec(TrainBatch).encode(build_batch(0, 0, [g], cfg))
@@ -51,7 +42,7 @@ def test_none_is_todays_assembler_exactly():
 
 def test_filter_cuts_truncated_samples_after_the_advantages():
     cfg = AssemblerConfig(overlong="filter", max_tokens=8, overlong_buffer=4, share_prompt=False)
-    g = _group([3, 8, 5, 8], [1.0, 0.0, 0.0, 1.0], [False, True, False, True])
+    g = overlong_group([3, 8, 5, 8], [1.0, 0.0, 0.0, 1.0], [False, True, False, True])
     shaped, keep, counts = apply_overlong(g, cfg)
     assert keep == [True, False, True, False] and counts["overlong_filtered"] == 2.0
     batch = build_batch(0, 0, [shaped], cfg, [keep])
@@ -59,16 +50,16 @@ def test_filter_cuts_truncated_samples_after_the_advantages():
     assert batch.groups[0].advantages == pytest.approx([float(full[0, 0]), float(full[0, 2])])
     assert [len(c) // 4 for c in batch.groups[0].completions] == [3, 5]
     assert sorted(p for mb in batch.micro_batches for p in mb) == [(0, 0), (0, 1)]
-    assert admit(_group([8, 8], [1.0, 0.0], [True, True]), 0, cfg) == FILTERED  # nothing left to train
+    assert admit(overlong_group([8, 8], [1.0, 0.0], [True, True]), 0, cfg) == FILTERED  # nothing left to train
 
 
 def test_soft_penalty_gives_equal_rewards_a_signal_and_counts_the_budget_s_tokens():
     cfg = AssemblerConfig(overlong="soft_penalty", max_tokens=8, overlong_buffer=4)
-    g = _group([3, 8], [1.0, 1.0], [False, True])
+    g = overlong_group([3, 8], [1.0, 1.0], [False, True])
     assert admit(g, 0, cfg) == FILTERED  # as scored: zero variance
     shaped, _, _ = apply_overlong(g, cfg)
     assert shaped.rewards == [1.0, 0.0] and admit(shaped, 0, cfg) == TRAINED
-    ep = _group([8, 3], [1.0, 1.0], [False, False])
+    ep = overlong_group([8, 3], [1.0, 1.0], [False, False])
     ep.rollout.samples[0].loss_mask = pack_ids([1, 1, 0, 0, 0, 0, 1, 1])  # observations count against max_tokens
     assert apply_overlong(ep, cfg)[0].rewards == [0.0, 1.0]
 
@@ -85,23 +76,3 @@ def test_config_resolves_the_buffer_and_refuses_bad_values():
         validate({"assembler": {"overlong_buffer": 200}, "generator": {"max_tokens": 200}})
 
 
-async def test_collect_reports_overlong_counts_and_scored_rewards(redis_url):
-    redis = await connect(redis_url)
-    stream = Stream(redis, "ol", "scored", group="assembler")
-    await stream.ensure_group()
-    asm = Assembler(AssemblerConfig(overlong="soft_penalty", max_tokens=8, overlong_buffer=4),
-                    RunContext(run_id="ol", redis_url=redis_url))
-    await asm.start()
-    g = _group([3, 8], [1.0, 1.0], [False, True])
-    await stream.publish(codec(ScoredGroup).encode(with_task_id(g, "0:0:0")))
-    result = await asm.collect(0, ["0:0:0"], version=0, timeout_s=5.0)
-    m = result["metrics"]
-    assert result["outcomes"] == {"0:0:0": TRAINED}
-    assert m["overlong_truncated"] == 1.0 and m["overlong_penalised"] == 1.0 and m["overlong_penalty_sum"] == -1.0
-    assert m["reward_mean"] == 1.0  # the reward as scored; the penalty is its own metric
-    await asm.stop()
-
-
-def with_task_id(g, task_id):
-    g.rollout.task.task_id = task_id
-    return g

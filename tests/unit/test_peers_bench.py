@@ -5,18 +5,12 @@ the TRL side runs only when its venv can be had without the network (bench/peers
 machine's local package sources, or a venv already built), and its test skips, saying why, otherwise.
 """
 import json
-import os
-import subprocess
-import sys
-import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
 from bench.peers import ours, table
-from bench.peers.tree import run_tree
-from bench.peers.venv import PeerVenvUnavailable, ensure_venv, usable
+from bench.peers.venv import usable
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -81,48 +75,6 @@ def test_startup_profile_orders_log_marks_and_processes(tmp_path):
     assert marks[-1]["what"] == "first step done"
 
 
-def test_run_tree_sums_the_whole_tree_and_sees_every_process(tmp_path):
-    child = textwrap.dedent("""
-        import subprocess, sys, time
-        hold = bytearray(80 * 1024 * 1024)  # 80 MB resident in the grandchild
-        for i in range(0, len(hold), 4096):
-            hold[i] = 1
-        time.sleep(2.0)
-    """)
-    parent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}], check=True)"
-    res = run_tree([sys.executable, "-c", parent], log_path=tmp_path / "log", interval_s=0.1, timeout_s=120)
-    assert res.rc == 0 and not res.timed_out
-    assert res.peak_rss_bytes > 80 * 1024 * 1024 and res.peak_processes == 2
-    assert 80 * 1024 * 1024 < res.peak_pss_bytes <= res.peak_rss_bytes  # shared pages split, private ones whole
-    assert len({pid for _, pid, _ in res.spawned}) == 2
-    assert len(res.peak_breakdown) == 2 and res.peak_breakdown[0][1] > 80 * 1024 * 1024  # the grandchild, largest first
-
-
-def test_run_tree_ends_the_whole_tree_at_its_timeout(tmp_path):
-    # The parent (a shell) starts its child and prints its pid before the timeout: no interpreter starts
-    # (two Python ones took more than 15 s at load 30+ on 2 cores), so 10 s (the test waits it out whole).
-    parent = "sleep 600 & echo $!; sleep 600"
-    res = run_tree(["sh", "-c", parent], log_path=tmp_path / "log", interval_s=0.1, timeout_s=10)
-    assert res.timed_out and res.rc != 0
-    printed = (tmp_path / "log").read_text().split()
-    assert printed, "the parent did not start its child within the timeout: nothing to check"
-    grandchild = int(printed[0])
-    import psutil
-
-    def ended() -> bool:
-        try:
-            return psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return True
-
-    # SIGKILLed: it ends once the kernel runs it again, which takes a while on a loaded machine; one
-    # that run_tree missed would still run after the 30 s.
-    deadline = time.monotonic() + 30
-    while not ended() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert ended(), f"the grandchild {grandchild} outlived run_tree's timeout"
-
-
 def test_venv_is_usable_only_with_the_pinned_torch():
     got = {"trl": "1.16.0", "torch": "2.13.0+cpu", "transformers": "5.25.0", "datasets": "5.2.0"}
     assert usable(got, "5.25.0") and usable(got, None)
@@ -133,44 +85,3 @@ def test_venv_is_usable_only_with_the_pinned_torch():
 # -- the SMOKE run of the bench ------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    """One SMOKE run of `python -m bench.peers`: both sides when the peer venv can be had offline."""
-    try:
-        ensure_venv(offline=True, log=lambda m: None)
-        sides, why = "ours trl", ""
-    except PeerVenvUnavailable as e:
-        sides, why = "ours", f"no peer venv without the network: {e}"
-    out = tmp_path_factory.mktemp("peers")
-    env = dict(os.environ, SMOKE="1", OUT=str(out), SIDES=sides, PEERS_OFFLINE="1")
-    p = subprocess.run([sys.executable, "-m", "bench.peers"], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=1800)
-    assert p.returncode == 0, p.stderr[-2000:]
-    return json.loads((out / "peers.json").read_text()), p.stdout, why
-
-
-@pytest.mark.slow
-def test_smoke_our_side_measures_and_evaluates_from_the_shared_export(smoke):
-    result, stdout, _ = smoke
-    row = result["rows"][0]
-    assert row["rc"] == 0 and row["steps"] == result["steps"] == 3
-    assert 0 < row["first_step_s"] < row["wall_s"] and row["s_per_step_median"] > 0
-    assert row["peak_rss_gb"] > 0.3 and row["peak_processes"] > 5  # launcher, Ray, redis-server, actors
-    assert 0.0 <= row["ex_greedy"] <= 1.0 and 0.0 <= row["sampled_reward"] <= 1.0 and row["eval_questions"] == 8
-    marks = [m["what"] for m in row["startup"]]
-    assert "Redis + Ray start (ray.init)" in marks and marks[-1] == "first step done"
-    assert "time_generation" in row["per_step"] and "time_training" in row["per_step"]
-    assert "warm start done" in [m["what"] for m in result["export"]["startup"]]
-    assert stdout.startswith("| | samples/s end to end |") and "Setup differences that remain:" in stdout
-
-
-@pytest.mark.slow
-def test_smoke_trl_side_trains_from_the_same_export(smoke):
-    result, stdout, why = smoke
-    if why:
-        pytest.skip(why)
-    peer = result["peer"]
-    assert peer["rc"] == 0 and peer["steps"] == 3 and peer["first_step_s"] > 0
-    assert peer["meta"]["prompts"] == 3 * 16 and peer["meta"]["prompt_ids_mismatched"] == 0
-    assert 0.0 <= peer["ex_greedy"] <= 1.0 and peer["eval_questions"] == 8
-    assert "GRPOTrainer" in stdout and " against TRL" in stdout

@@ -1,31 +1,12 @@
 """launch.report: metrics.jsonl -> PNG, with one-line errors for missing or empty files."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from launch.report import ReportError, main, panels_for, write_report
+from tests.builders import synthetic_rows, write_metrics
 
-REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def write_metrics(run_dir: Path, rows: list[dict]) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
-def synthetic_rows(steps: int = 12) -> list[dict]:
-    rows = []
-    for s in range(steps):
-        row = {"step": s, "time": 1000.0 + s, "reward_mean": 0.1 + 0.05 * s, "accuracy": 0.02 * s,
-               "response_len_mean": 200 - s, "time_generate": 3.0, "time_train": 1.5 + 0.1 * s}
-        if s % 4 == 0:
-            row["eval_accuracy"] = 0.03 * s
-        rows.append(row)
-    return rows
 
 
 def test_report_writes_a_valid_png_and_prints_its_path(tmp_path, capsys):
@@ -79,14 +60,6 @@ def test_rows_without_plottable_keys_or_bad_json_are_errors(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\nnot json\n')
     with pytest.raises(ReportError, match=":2: not JSON"):
         write_report(tmp_path)
-
-
-def test_cli_module_runs(tmp_path):
-    write_metrics(tmp_path, synthetic_rows(5))
-    r = subprocess.run([sys.executable, "-m", "launch.report", str(tmp_path)], cwd=REPO, capture_output=True,
-                       text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert Path(r.stdout.strip()).read_bytes()[:8] == PNG_MAGIC
 
 
 def test_several_runs_make_one_comparison_labelled_by_seed(tmp_path, capsys):

@@ -5,11 +5,9 @@ import itertools
 
 import pytest
 
-from actors.scorer import Scorer
 from config import ConfigError, ScorerConfig
 from config.validate import validate
 from policies.sql_reward import MATCH, VERDICTS, reward_for, schema_linking_f1, shaped_reward, sql_identifiers
-from tests.integration.test_scorer import _group, question  # noqa: F401
 
 GOLD = "SELECT T1.name FROM users AS T1 JOIN orders AS T2 ON T1.id = T2.user_id WHERE T2.total > 'big'"
 
@@ -60,15 +58,3 @@ def test_config_weights_are_checked_in_one_line():
             assert "\n" not in str(e.value)
 
 
-async def test_real_scorer_adds_the_terms_only_when_asked(question):  # noqa: F811
-    texts = [f"```sql\n{question.sql}\n```", "```sql\nSELECT 42\n```", "no idea", "```sql\nSELEC broken\n```"]
-    kw = dict(workers=1, timeout_s=2.0, max_rows=1000, memory_mb=1024, temp_store_mb=64, gold_cache_size=8)
-    plain, shaped = Scorer(ScorerConfig(**kw)), Scorer(ScorerConfig(**kw, reward_syntax=0.1, reward_format=0.05))
-    try:
-        a = await plain.score(_group(question, texts))
-        b = await shaped.score(_group(question, texts))
-    finally:
-        plain.close(), shaped.close()
-    assert a.rewards == [1.0, 0.1, 0.0, 0.0]  # today's
-    assert a.verdicts == b.verdicts
-    assert b.rewards == pytest.approx([1.15, 0.25, 0.0, 0.05])

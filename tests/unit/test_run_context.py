@@ -13,7 +13,7 @@ from actors.generator.shell import GeneratorShell
 from actors.learner.shell import LearnerShell
 from actors.scorer import ScorerShell
 from actors.shell import RESTARTABLE
-from config import AssemblerConfig, RunContext, ScorerConfig, apply_overrides
+from config import AssemblerConfig, RunContext, apply_overrides
 from config.recipes import get_recipe
 
 ACTORS = (Coordinator, Assembler, ScorerShell, GeneratorShell, LearnerShell)
@@ -70,10 +70,3 @@ def test_without_redis_in_its_context_a_stage_says_so(tmp_path):
         asyncio.run(asm.collect(0, ["0:0:0"], version=0, timeout_s=1.0))
 
 
-def test_the_scorer_opens_databases_under_its_context_s_data_dir_only(tmp_path):
-    shell = ScorerShell(ScorerConfig(workers=1), RunContext(data_dir=str(tmp_path / "data")), scorer_id="scorer-3")
-    try:
-        assert shell.scorer.db_root == str(tmp_path / "data") and shell.scorer.scorer_id == "scorer-3"
-        assert shell.loop.reclaim_idle_s == RunContext().reclaim_idle_s
-    finally:
-        shell.scorer.close()

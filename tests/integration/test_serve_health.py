@@ -17,7 +17,7 @@ import time
 import pytest
 
 from launch.serve_health import ANSWERED_BY, summarize, verdict
-from tests.conftest import ray_cluster
+from tests.clusters import ray_cluster
 from tests.tiny_export import build
 
 httpx = pytest.importorskip("httpx")
@@ -43,7 +43,7 @@ def test_healthz_answers_while_the_model_replica_is_frozen_and_turns_503_when_th
     from launch.serve import ServeOptions, start
     from launch.serve_health import MODEL_APP, MODEL_DEPLOYMENT, proxy_env
     from launch.serve_http import key_digest
-    from tests.e2e.test_serve import free_port
+    from tests.net import free_port
 
     model, bird = build(tmp_path / "export")
     opts = ServeOptions(model=str(model), bird_dir=str(bird), engine="transformers", device="cpu",
