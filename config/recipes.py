@@ -12,7 +12,7 @@ from typing import Callable
 from config.schema import (AssemblerConfig, ClusterConfig, CoordinatorConfig, DataConfig, GeneratorConfig,
                      LearnerConfig, ModelConfig, RunConfig, ScorerConfig)
 
-# tasks.synthetic.TINY_TEMPLATES (config/ imports nothing of ours; tests/test_tiny_task.py keeps them equal)
+# tasks.synthetic.TINY_TEMPLATES (config/ imports nothing of ours; tests/unit/test_tiny_task.py keeps them equal)
 TINY_TEMPLATES = (0, 1, 3, 4, 5, 6, 8)
 # tiny_forms' and tiny_look's: tiny's templates whose gold compares a place or category value (0, 1, 4, 5)
 FORMS_TEMPLATES = (0, 1, 4, 5)
