@@ -19,8 +19,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from config import ConfigError, RunConfig
-from config import layout
+from config import ConfigError, RunConfig, layout
 
 # Building the inputs (the tiny model and its tokenizer, or a large model's tokenizer and every prompt)
 # takes seconds to a few minutes; past this the launcher gives up with one line.

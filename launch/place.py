@@ -30,8 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.shell import ActorCallTimeout, call_within, get_within, spawn
-from config import RunConfig, RunContext
-from config import layout
+from config import RunConfig, RunContext, layout
 from launch.create import create_actors, wait_built
 from launch.groups import actor_options, remove_groups
 from launch.startup_memory import StartupMemory

@@ -52,7 +52,6 @@ from observe.ray_metrics import export as export_ray_metrics
 from queues.messages import EVAL_PREFIX, Event, PromptTask, codec, eval_task_id, task_step, train_task_id
 
 
-
 class Coordinator(BoundedCalls, WeightSyncHandshake, Checkpointing):
     """The step loop (this module's docstring); its bounded calls, the weight-sync handshake and checkpoints
     are mixins."""

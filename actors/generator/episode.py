@@ -30,7 +30,16 @@ import numpy as np
 from actors.engines.base import Engine, resolve_sampling
 from policies import episode as ep
 from policies.sql_reward import extract_sql
-from queues.messages import PromptTask, RolloutGroup, Sample, episode_turn_id, pack_floats, pack_ids, unpack_floats, unpack_ids
+from queues.messages import (
+    PromptTask,
+    RolloutGroup,
+    Sample,
+    episode_turn_id,
+    pack_floats,
+    pack_ids,
+    unpack_floats,
+    unpack_ids,
+)
 
 
 class EpisodeRunner:

@@ -135,8 +135,8 @@ def test_cli_bad_input_is_one_line_and_exit_2(case, overrides, env, mutate, expe
 
 def test_megabytes_of_model_output_are_scored_not_hung(tmp_path):
     """A 'model output' of 4 MB (and one of pure garbage bytes) gets a verdict, quickly."""
-    from config import ScorerConfig
     from actors.scorer import Scorer
+    from config import ScorerConfig
     from queues.messages import PromptTask, RolloutGroup, Sample, pack_floats, pack_ids
     from tasks.synthetic import write_dataset
 
@@ -163,8 +163,8 @@ def test_megabytes_of_model_output_are_scored_not_hung(tmp_path):
 def test_prompt_longer_than_the_context_is_an_error_group_fake_engine():
     """One prompt over the engine's context: that task's group carries a one-line error."""
     pytest.importorskip("transformers")
-    from actors.generator.generator import Generator
     from actors.engines.base import prompt_ids
+    from actors.generator.generator import Generator
     from queues.messages import PromptTask, pack_ids
 
     class Engine:  # a fake engine with the real length check every engine runs first

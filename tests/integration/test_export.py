@@ -7,8 +7,16 @@ import json
 import pytest
 import torch
 
-from launch.export import (ExportError, begin_export, checkpoints_to_prune, commit_export, export_dir,
-                           latest_export, prune_checkpoints, read_settings)
+from launch.export import (
+    ExportError,
+    begin_export,
+    checkpoints_to_prune,
+    commit_export,
+    export_dir,
+    latest_export,
+    prune_checkpoints,
+    read_settings,
+)
 
 pytestmark = pytest.mark.usefixtures("learner_process_env")  # it builds Learners in this process
 

@@ -14,8 +14,17 @@ from actors.engines.hf import TransformersEngine
 from actors.engines.simulated import SimulatedEngine
 from actors.generator.generator import Generator
 from config import AssemblerConfig, GeneratorConfig, ModelConfig
-from queues.messages import (PromptTask, RolloutGroup, ScoredGroup, codec, oldest_version, pack_ids, sample_versions,
-                             unpack_floats, unpack_ids)
+from queues.messages import (
+    PromptTask,
+    RolloutGroup,
+    ScoredGroup,
+    codec,
+    oldest_version,
+    pack_ids,
+    sample_versions,
+    unpack_floats,
+    unpack_ids,
+)
 from queues.streams import Stream, connect
 
 torch.set_num_threads(1)

@@ -135,8 +135,14 @@ def test_proxy_middleware_answers_healthz_and_passes_every_other_request_on():
 
     from starlette.responses import PlainTextResponse
 
-    from launch.serve_health import (PROXY_CALLBACK, PROXY_CALLBACK_ENV, SETTINGS_ENV, ProxyHealthz, proxy_env,
-                                     proxy_middlewares)
+    from launch.serve_health import (
+        PROXY_CALLBACK,
+        PROXY_CALLBACK_ENV,
+        SETTINGS_ENV,
+        ProxyHealthz,
+        proxy_env,
+        proxy_middlewares,
+    )
     from launch.serve_http import ServeOptions, key_digest
 
     replicas = [{"state": "RUNNING"}]

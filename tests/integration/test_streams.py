@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from queues.messages import RolloutGroup, Sample, PromptTask, codec, pack_ids, pack_floats
+from queues.messages import PromptTask, RolloutGroup, Sample, codec, pack_floats, pack_ids
 from queues.streams import RedisUnavailable, Stream, connect, redact, stream_key
 
 

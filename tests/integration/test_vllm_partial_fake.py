@@ -163,9 +163,9 @@ async def test_fake_vllm_episode_interrupted_inside_the_close_tag_continues_and_
     from actors.generator.episode import EpisodeRunner
     from config import ModelConfig
     from policies import episode as ep
+    from tasks.bird import load_split
     from tasks.executor import ToolExecutor
     from tasks.synthetic import write_dataset
-    from tasks.bird import load_split
     from tasks.tiny_model import build_tokenizer
 
     tok = build_tokenizer(None, ModelConfig().tiny_vocab_size, str(tmp_path / "tok"))

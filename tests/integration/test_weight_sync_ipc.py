@@ -20,15 +20,24 @@ import torch
 from actors.engines.vllm_engine import VLLMEngine
 from actors.engines.vllm_worker import WeightLoaderExtension
 from weights import make_receiver
-from weights.endpoint import ReceiveEnd
-from weights.strategy import get_transport
 from weights.broadcast import BroadcastSender
+from weights.endpoint import ReceiveEnd
 from weights.ipc import (
-    CudaIpcBucket, ipc_message_from_bytes, ipc_message_to_bytes, merge_ipc_buckets, select_ipc_handles,
+    CudaIpcBucket,
+    ipc_message_from_bytes,
+    ipc_message_to_bytes,
+    merge_ipc_buckets,
+    select_ipc_handles,
 )
 from weights.store import ObjectStoreReceiver
+from weights.strategy import get_transport
 from weights.wire import (
-    SyncAbort, SyncSummary, WeightSyncError, encode_message, flatten_bucket, iter_buckets,
+    SyncAbort,
+    SyncSummary,
+    WeightSyncError,
+    encode_message,
+    flatten_bucket,
+    iter_buckets,
 )
 
 OPENED: list[tuple[str, int]] = []  # (gpu the handle belongs to, CUDA index it was opened on)

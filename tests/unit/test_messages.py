@@ -2,9 +2,24 @@ import msgspec
 import numpy as np
 import pytest
 
-from queues.messages import (SCHEMA, Event, PromptTask, RolloutGroup, Sample, SchemaError, ScoredGroup, TrainBatch,
-                             TrainGroup, codec, oldest_version, pack_floats, pack_ids, sample_versions, unpack_floats,
-                             unpack_ids)
+from queues.messages import (
+    SCHEMA,
+    Event,
+    PromptTask,
+    RolloutGroup,
+    Sample,
+    SchemaError,
+    ScoredGroup,
+    TrainBatch,
+    TrainGroup,
+    codec,
+    oldest_version,
+    pack_floats,
+    pack_ids,
+    sample_versions,
+    unpack_floats,
+    unpack_ids,
+)
 
 
 def _task():

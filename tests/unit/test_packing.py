@@ -5,8 +5,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from policies.packing import (OversizedSampleWarning, block_causal_mask, pack, padding_fraction,
-                              plan_micro_batches, split_minibatches)
+from policies.packing import (
+    OversizedSampleWarning,
+    block_causal_mask,
+    pack,
+    padding_fraction,
+    plan_micro_batches,
+    split_minibatches,
+)
 
 
 def test_plan_covers_every_sample_once_within_budget():
@@ -140,6 +146,7 @@ def test_varlen_cu_seqlens_cover_the_row_and_match_the_position_ids():
 
 def test_varlen_attention_function_equals_one_causal_attention_per_sample():
     import torch.nn.functional as F
+
     from actors.learner.attention import varlen_attention_forward
 
     g = torch.Generator().manual_seed(0)

@@ -6,8 +6,8 @@ import pytest
 
 from config import ConfigError, LearnerConfig, apply_overrides, check_attention
 from config.placement import make_placement
-from launch.plan import make_plan
 from config.recipes import get_recipe
+from launch.plan import make_plan
 
 
 def cfg_for(recipe: str, *overrides: str):

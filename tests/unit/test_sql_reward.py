@@ -3,8 +3,22 @@ import math
 
 import pytest
 
-from policies.sql_reward import (BAD_DB_PATH, GENERATION_ERROR, GOLD_FAILED, MATCH, NO_SQL, SQL_ERROR, TIMEOUT, TOO_MANY_ROWS,
-                                 VERDICTS, WRONG_RESULT, compare_results, extract_sql, reward_for, verdict_for)
+from policies.sql_reward import (
+    BAD_DB_PATH,
+    GENERATION_ERROR,
+    GOLD_FAILED,
+    MATCH,
+    NO_SQL,
+    SQL_ERROR,
+    TIMEOUT,
+    TOO_MANY_ROWS,
+    VERDICTS,
+    WRONG_RESULT,
+    compare_results,
+    extract_sql,
+    reward_for,
+    verdict_for,
+)
 
 
 @pytest.mark.parametrize("text, expected", [

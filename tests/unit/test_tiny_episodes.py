@@ -9,8 +9,8 @@ from config import ConfigError, ModelConfig, apply_overrides
 from config.recipes import get_recipe
 from policies import episode as ep
 from tasks.bird import load_split
-from tasks.synthetic import TINY_TEMPLATES, write_dataset
 from tasks.sandbox import execute_readonly
+from tasks.synthetic import TINY_TEMPLATES, write_dataset
 from tasks.synthetic_episodes import episode_target, misspelt, misspelt_value
 from tasks.tiny_model import build_tiny
 
