@@ -9,10 +9,19 @@ from __future__ import annotations
 
 from typing import Callable
 
-from config.schema import (AssemblerConfig, ClusterConfig, CoordinatorConfig, DataConfig, GeneratorConfig,
-                     LearnerConfig, ModelConfig, RunConfig, ScorerConfig)
+from config.schema import (
+    AssemblerConfig,
+    ClusterConfig,
+    CoordinatorConfig,
+    DataConfig,
+    GeneratorConfig,
+    LearnerConfig,
+    ModelConfig,
+    RunConfig,
+    ScorerConfig,
+)
 
-# tasks.synthetic.TINY_TEMPLATES (config/ imports nothing of ours; tests/test_tiny_task.py keeps them equal)
+# tasks.synthetic.TINY_TEMPLATES (config/ imports nothing of ours; tests/unit/test_tiny_task.py keeps them equal)
 TINY_TEMPLATES = (0, 1, 3, 4, 5, 6, 8)
 # tiny_forms' and tiny_look's: tiny's templates whose gold compares a place or category value (0, 1, 4, 5)
 FORMS_TEMPLATES = (0, 1, 4, 5)
@@ -255,8 +264,9 @@ def gpu1_0p6b_async() -> RunConfig:
 
 
 def get_recipe(name: str) -> RunConfig:
-    from config.schema import ConfigError
     import difflib
+
+    from config.schema import ConfigError
 
     if name not in RECIPES:
         close = difflib.get_close_matches(name, list(RECIPES), n=3, cutoff=0.4)

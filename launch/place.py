@@ -29,11 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.handles import (AssemblerHandle, CallBounds, CoordinatorHandle, GeneratorPool, ScorerPool,
-                             never_restart)
+from actors.handles import AssemblerHandle, CallBounds, CoordinatorHandle, GeneratorPool, ScorerPool, never_restart
 from actors.shell import ActorCallTimeout, spawn
-from config import RunConfig, RunContext
-from config import layout
+from config import RunConfig, RunContext, layout
 from launch.create import create_actors, wait_built
 from launch.groups import actor_options, remove_groups
 from launch.startup_memory import StartupMemory

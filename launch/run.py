@@ -16,17 +16,16 @@ from typing import Any
 
 import msgspec
 
-from config import ConfigError, RunConfig, RunContext, check_inputs
-from config import layout
-from queues.errors import one_line  # noqa: F401 - launch.run.one_line for the CLI and preflight
-from tasks.bird import BirdDataError
+from config import ConfigError, RunConfig, RunContext, check_inputs, layout
 from launch.commands import command
-from launch.inputs import build_in_child, input_paths, offline_unless_allowed
-from launch.local_ray import start_ray
-from launch.inputs import load_prompts, prepare_model_and_data  # noqa: F401 - launch.run's names (bench/)
 from launch.export import next_steps
+from launch.inputs import build_in_child, input_paths, load_prompts, offline_unless_allowed, prepare_model_and_data  # noqa: F401 - launch.run's names (bench/)
+from launch.local_ray import start_ray
 from launch.progress import summary
 from observe.logs import setup_logging
+from queues.errors import one_line  # noqa: F401 - launch.run.one_line for the CLI and preflight
+from tasks.bird import BirdDataError
+
 
 def resolve_run_dir(cfg: RunConfig) -> tuple[str, Path]:
     root = Path(cfg.run_root).absolute()

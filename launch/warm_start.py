@@ -171,8 +171,8 @@ class _Episodes:
         """(prompt ids, response ids, loss mask): a slip-then-fix episode when `error_first` (and a
         misspelling of the answer errors, or, for a share `model.tiny_sft_value_slips`, a misspelt value
         shows other rows), else the direct answer."""
-        from tasks.synthetic_text import slipped
         from tasks.synthetic_episodes import episode_target, look_target, revise_target
+        from tasks.synthetic_text import slipped
 
         answer = (slipped(item.gold_sql) if use_slip else None) or item.gold_sql
         if error_first and self.p_look > 0 and rng.random() < self.p_look:

@@ -31,8 +31,17 @@ import torch
 
 from weights.base import ReceiverBase, SenderBase
 from weights.wire import (
-    BucketPlan, Expected, ExportWeights, LoadWeights, SyncAbort, SyncSummary, WeightSyncError, decode_message,
-    encode_message, flatten_bucket, unflatten_bucket,
+    BucketPlan,
+    Expected,
+    ExportWeights,
+    LoadWeights,
+    SyncAbort,
+    SyncSummary,
+    WeightSyncError,
+    decode_message,
+    encode_message,
+    flatten_bucket,
+    unflatten_bucket,
 )
 
 

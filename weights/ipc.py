@@ -30,8 +30,17 @@ import torch
 from weights.base import ReceiverBase, SenderBase, maybe_await
 from weights.protocol import Transport, TransportKey, in_workers
 from weights.wire import (
-    BucketPlan, Expected, ExportWeights, LoadWeights, SyncAbort, SyncSummary, WeightSyncError, decode_message,
-    encode_message, flatten_bucket, unflatten_bucket,
+    BucketPlan,
+    Expected,
+    ExportWeights,
+    LoadWeights,
+    SyncAbort,
+    SyncSummary,
+    WeightSyncError,
+    decode_message,
+    encode_message,
+    flatten_bucket,
+    unflatten_bucket,
 )
 
 Handles = dict[str, tuple]  # dtype -> torch.multiprocessing.reductions.reduce_tensor(buffer)

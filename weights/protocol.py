@@ -35,6 +35,7 @@ from typing import Any, Awaitable, Callable
 from weights.base import ExportOnly, drive_bucketed_sync, maybe_await
 from weights.wire import WeightSyncError
 
+
 @dataclass(frozen=True)
 class TransportKey:
     """What picks a transport: the placement's kind (coordinator.weight_sync)."""

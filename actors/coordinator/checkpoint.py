@@ -67,7 +67,13 @@ class Checkpoints:
 
     async def export_hf(self, steps_done: int) -> Path:
         """The learner writes a Hugging Face directory into a temp dir; it is renamed into place whole."""
-        from actors.coordinator.export import begin_export, commit_export, export_dir, inference_settings, source_model_dir
+        from actors.coordinator.export import (
+            begin_export,
+            commit_export,
+            export_dir,
+            inference_settings,
+            source_model_dir,
+        )
 
         final = export_dir(self.run_dir, steps_done)
         tmp = begin_export(final)

@@ -40,19 +40,22 @@ import asyncio
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from actors.dtypes import torch_dtype
 from actors.engines.base import (
-    Engine, EngineAsleep, SamplingSettings, TaskError, prompt_ids, resolve_sampling,
+    Engine,
+    EngineAsleep,
+    SamplingSettings,
+    TaskError,
+    prompt_ids,
+    resolve_sampling,
 )
 from actors.engines.hf_decode import prefill, sample_tokens  # noqa: F401 - sample_tokens is this module's API too
 from actors.engines.hf_weights import WeightsMixin
 from config import GeneratorConfig, ModelConfig
 from queues.messages import PromptTask, RolloutGroup, Sample, pack_floats, pack_ids
-
 
 
 def resolve_device(device: str) -> torch.device:

@@ -29,7 +29,7 @@ Invariants:
 - Partial rollouts (async mode): after `enable_partial()` a group is n streaming requests that a
   weight update interrupts and resubmits with their tokens appended (actors/engines/vllm_partial.py).
 - vLLM is imported lazily; `VLLM_API` below lists every vLLM symbol and parameter this file
-  uses, and tests/test_vllm_adapter.py checks exactly that list against the installed vLLM.
+  uses, and tests/unit/test_vllm_adapter.py checks exactly that list against the installed vLLM.
 """
 from __future__ import annotations
 

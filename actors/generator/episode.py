@@ -31,7 +31,16 @@ from actors.engines.base import Engine, resolve_sampling
 from config import GeneratorConfig
 from policies import episode as ep
 from policies.sql_reward import extract_sql
-from queues.messages import PromptTask, RolloutGroup, Sample, episode_turn_id, pack_floats, pack_ids, unpack_floats, unpack_ids
+from queues.messages import (
+    PromptTask,
+    RolloutGroup,
+    Sample,
+    episode_turn_id,
+    pack_floats,
+    pack_ids,
+    unpack_floats,
+    unpack_ids,
+)
 
 
 class EpisodeRunner:

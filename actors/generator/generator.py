@@ -194,9 +194,8 @@ class Generator:
     def _episode_runner(self):
         if self.episodes is None:
             from actors.generator.episode import EpisodeRunner
-            from tasks.executor import ToolExecutor
-
             from config import ScorerConfig
+            from tasks.executor import ToolExecutor
 
             c, scorer = self.cfg, ScorerConfig()  # 0 (a config built without validation): the scorer's defaults
             executor = ToolExecutor(workers=c.tool_workers, timeout_s=c.tool_timeout_s or scorer.timeout_s,

@@ -42,11 +42,11 @@ from actors.assembler import Assembler  # noqa: E402
 from actors.coordinator.coordinator import Coordinator  # noqa: E402
 from actors.engines.simulated import SimulatedEngine  # noqa: E402
 from actors.generator.generator import Generator  # noqa: E402
-from weights.wire import SyncSummary  # noqa: E402
 from config import RunConfig, RunContext, apply_overrides  # noqa: E402
 from queues.messages import RolloutGroup, ScoredGroup, TrainBatch, codec, pack_ids  # noqa: E402
 from queues.redis_server import EmbeddedRedis  # noqa: E402
 from queues.streams import Stream, connect  # noqa: E402
+from weights.wire import SyncSummary  # noqa: E402
 
 MODES = {  # name -> config overrides
     "colocated": ["coordinator.mode=colocated", "assembler.max_staleness=0"],

@@ -32,7 +32,7 @@ def join_pair(rank: int, backend: str, timeout_s: float, ports, joins, wait_s: f
     the bound `timeout_s`): rank 0 binds the store on loopback and hands its port through `ports` (a
     multiprocessing queue), rank 1 takes it; both start the join together at `joins` (a barrier of 2),
     since imports on a loaded machine take longer than the bound. Gloo binds `local_host` (default
-    loopback). Returns the store's port. Used here and by tests/test_collective_bounds.py."""
+    loopback). Returns the store's port. Used here and by tests/integration/test_collective_bounds.py."""
     from actors.learner.world import LOOPBACK, bind_store, init_world
 
     if rank == 0:

@@ -42,7 +42,6 @@ import json
 import os
 import random
 import signal
-import statistics
 import sys
 import tempfile
 import time

@@ -65,6 +65,7 @@ def build_model_dir(name: str) -> str:
         return path
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
     from tasks.tiny_model import build_tokenizer
 
     tok = build_tokenizer(None, 300, path)
@@ -88,6 +89,7 @@ def varlen_check() -> dict:
     """The Learner's "varlen" attention (actors/learner/attention.py) against one sdpa(is_causal) per sample,
     fwd + bwd, bf16, GQA, on this machine (CUDA: torch varlen_attn; CPU: its per-sample fallback)."""
     import torch
+
     from actors.learner import attention
 
     attention.register()
@@ -134,6 +136,7 @@ def make_groups(n_prompts: int, vocab: int, seed: int):
 
 def make_train_batch(groups, mb_tokens: int, step: int = 0, seed: int = 0):
     import numpy as np
+
     from policies.packing import plan_micro_batches
     from queues.messages import TrainBatch, TrainGroup, pack_floats, pack_ids
 
@@ -194,6 +197,7 @@ def make_learner(model: str, zero: int, attn: str, path: str, mb_tokens: int, lr
     fused head alone: learner.liger_kernels=false) or lk (learner.use_liger as shipped: head + the
     RoPE/RMSNorm/SwiGLU kernels the Learner applies to its model)."""
     import torch
+
     from config import LearnerConfig, ModelConfig
 
     info = {}
@@ -234,6 +238,7 @@ def weight_check(learner, mdir: str) -> dict:
     """What export_weights gives (what a generator receives) against the saved checkpoint, plus
     whether lm_head is still tied to the embedding inside the DeepSpeed module."""
     import glob
+
     import torch
     from safetensors.torch import load_file
 
@@ -501,7 +506,8 @@ def main():
     t0 = time.perf_counter()
     info = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     try:
-        import torch, transformers  # noqa: E401
+        import torch  # noqa: E401
+        import transformers
         info.update(torch=torch.__version__, transformers=transformers.__version__,
                     gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
         import importlib.util

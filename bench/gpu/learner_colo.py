@@ -15,8 +15,10 @@ from bench.gpu.learner import LENS, SHAPES, SMOKE, build_model_dir, make_learner
 def _engine_child(model_dir: str, cmd_q, res_q, device: str, expected_names_only: bool = False):
     """Generator process: TransformersEngine + a CUDA-IPC receiver, driven by (cmd, arg) messages."""
     import asyncio
-    import torch
     from types import SimpleNamespace
+
+    import torch
+
     from actors.engines.hf import TransformersEngine
 
     loop = asyncio.new_event_loop()
@@ -112,9 +114,9 @@ def fingerprint(named) -> dict:
 def run_colo(spec: dict) -> dict:
     import torch
     import torch.multiprocessing as mp
-    from queues.messages import PromptTask, pack_ids
+
     from policies.packing import plan_micro_batches
-    from queues.messages import TrainBatch, TrainGroup, pack_floats
+    from queues.messages import PromptTask, TrainBatch, TrainGroup, pack_floats, pack_ids
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"

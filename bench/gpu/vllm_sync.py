@@ -64,6 +64,7 @@ def kl_stats(engine_lps, ref_lps) -> dict:
 
 def make_batch(prompt, comps, lps, step: int, mb_tokens: int):
     import numpy as np
+
     from policies.packing import plan_micro_batches
     from queues.messages import TrainBatch, TrainGroup, pack_floats, pack_ids
 
@@ -173,6 +174,7 @@ async def sync(engine, learner, version: int, cuda: bool) -> dict:
 
 async def main() -> dict:
     import torch
+
     from bench.gpu.learner import build_model_dir, make_learner
     from config import GeneratorConfig, ModelConfig
 

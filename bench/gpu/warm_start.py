@@ -95,10 +95,9 @@ SMOKE_SHAPE = SMALL_SHAPE
 def build_init(task: dict, shape: dict, seed: int):
     """(a random-init model of `shape` on the CPU in fp32, the task's tokenizer): tasks.tiny_model.build_model."""
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     from tasks.tiny_model import build_model
-
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     tok = AutoTokenizer.from_pretrained(task["tokenizer"])

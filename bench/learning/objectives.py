@@ -6,7 +6,7 @@
 
 Every variant runs tiny with learner.update_epochs=$EPOCHS (default 2): tiny is colocated with one epoch,
 i.e. exactly on-policy, where ppo_clip, cispo and (at seq-mean) gspo are the same REINFORCE gradient
-(tests/test_objectives.py); only off-policy epochs tell them apart. Two launcher processes at a time
+(tests/unit/test_objectives.py); only off-policy epochs tell them apart. Two launcher processes at a time
 (the 2 cores), variant pairs then seeds. Reads each run's metrics.jsonl: held-out greedy accuracy
 (eval_accuracy) and the sampled answers' execution accuracy (eval_sample_accuracy) at every evaluation;
 not eval_reward_mean, which is the training reward, partial terms included, so it does not compare across
