@@ -39,13 +39,21 @@ import structlog
 from actors.shell import RESTARTABLE
 from config import AssemblerConfig, RunContext
 from observe.logs import setup_actor_logging
-from policies.episode import episode_metrics
 from policies.advantages import group_advantages
+from policies.episode import episode_metrics
 from policies.overlong import shape
 from policies.plan import plan_group_micro_batches, plan_micro_batches, split_minibatches
 from queues.errors import one_line
-from queues.messages import (SchemaError, ScoredGroup, TrainBatch, TrainGroup, codec, oldest_version, sample_versions,  # noqa: F401
-                            task_step)  # task_step: re-exported (it lives in queues.messages)
+from queues.messages import (  # noqa: F401
+    SchemaError,
+    ScoredGroup,
+    TrainBatch,
+    TrainGroup,
+    codec,
+    oldest_version,
+    sample_versions,
+    task_step,  # task_step: re-exported (it lives in queues.messages)
+)
 
 log = structlog.get_logger("arctic_rl.assembler")
 

@@ -187,14 +187,13 @@ class ScorerShell:
 
     RAY_OPTIONS = dict(RESTARTABLE)  # a restarted scorer reclaims what it held (same consumer name)
 
-    def __init__(self, cfg: ScorerConfig | dict, ctx: RunContext | None = None, *, scorer_id: str = ""):
+    def __init__(self, cfg: ScorerConfig, ctx: RunContext | None = None, *, scorer_id: str = ""):
         self.ctx = ctx or RunContext()
         setup_actor_logging(scorer_id or "scorer", self.ctx)
-        scorer_cfg = msgspec.convert(cfg, ScorerConfig) if isinstance(cfg, dict) else cfg
-        self.scorer = Scorer(scorer_cfg, scorer_id, db_root=self.ctx.data_dir)
+        self.scorer = Scorer(cfg, scorer_id, db_root=self.ctx.data_dir)
         self.loop = ScorerLoop(self.scorer, consumer=self.scorer.scorer_id, reclaim_idle_s=self.ctx.reclaim_idle_s)
-        log.info("scorer.started", scorer_id=self.scorer.scorer_id, workers=scorer_cfg.workers,
-                 timeout_s=scorer_cfg.timeout_s, pid=os.getpid())
+        log.info("scorer.started", scorer_id=self.scorer.scorer_id, workers=cfg.workers,
+                 timeout_s=cfg.timeout_s, pid=os.getpid())
 
     def __repr__(self) -> str:  # the Ray dashboard's Repr column: live state
         s, loop = getattr(self, "scorer", None), getattr(self, "loop", None)  # Ray may ask before __init__ ends

@@ -18,11 +18,10 @@ Invariants:
   stages whose state survives a Ray restart (generators, scorers, the assembler: a restarted one takes
   back its pending messages; the learner and the coordinator are relaunched from a checkpoint
   instead). Where it runs (name, resources, bundle) is the caller's `.options`.
-- The actor's process title is `ray::<class name>` (what bench/chaos targets).
-- `call(handle, method, ...)` awaits a method alike on a Ray actor handle or on the plain object
-  itself, which is how the coordinator's code runs unchanged in tests without Ray.
-- Every wait on an actor has a bound: `call_within` (async) and `get_within` (ray.get) end a call that
-  did not return in time with `ActorCallTimeout`, one line naming the actor and the call. A frozen
+- The actor's process title is `ray::<class name>` (what bench/faults/chaos targets).
+- Callers reach an actor through its role's typed handle (actors/handles.py), never by a method's name.
+- Every wait on an actor has a bound: `await_within` (the handles' calls) ends a call that did not
+  return in time with `ActorCallTimeout`, one line naming the actor and the call. A frozen
   actor (SIGSTOP, a stuck device, a lost node) is not dead to Ray, so nothing else would end the wait;
   the launcher treats the timeout as a death (launch/run.py actor_died: relaunch or one line), except
   for a RESTARTABLE stage the caller restarts in place (`restart_in_place`: Ray kills the frozen
@@ -79,22 +78,6 @@ async def await_within(awaitable: Any, timeout_s: float, what: str) -> Any:
     return task.result()
 
 
-async def call_within(timeout_s: float, label: str, handle: Any, method: str, *args, **kwargs) -> Any:
-    """`call(handle, method, ...)` bounded by `timeout_s` (ActorCallTimeout "<label>.<method> ...")."""
-    return await await_within(call(handle, method, *args, **kwargs), timeout_s, f"{label}.{method}")
-
-
-def get_within(refs: Any, timeout_s: float, what: str) -> Any:
-    """ray.get(refs) bounded by `timeout_s`; ActorCallTimeout naming `what` (actor.method) after it."""
-    import ray
-    from ray.exceptions import GetTimeoutError
-
-    try:
-        return ray.get(refs, timeout=timeout_s)
-    except GetTimeoutError:
-        raise ActorCallTimeout.of(what, timeout_s) from None
-
-
 def restart_in_place(handle: Any) -> bool:
     """Kills a frozen RESTARTABLE actor's process so that Ray starts the actor again under the same handle
     (a SIGSTOPped process is killed all the same). False, and nothing done, where `handle` is not a Ray
@@ -106,11 +89,3 @@ def restart_in_place(handle: Any) -> bool:
     ray.kill(handle, no_restart=False)
     return True
 
-
-async def call(handle: Any, method: str, *args, **kwargs) -> Any:
-    """Calls a method on a Ray actor handle or a plain object alike (plain objects in tests)."""
-    fn = getattr(handle, method)
-    if hasattr(fn, "remote"):
-        return await fn.remote(*args, **kwargs)
-    out = fn(*args, **kwargs)
-    return await out if asyncio.iscoroutine(out) else out

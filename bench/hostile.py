@@ -1,5 +1,5 @@
-"""Hostile SQL and hostile inputs shared by the load and fault benches (bench/soak.py's burst in the
-rollouts stream, bench/serve_load.py's hostile clients).
+"""Hostile SQL and hostile inputs shared by the load and fault benches (bench/faults/soak.py's burst in the
+rollouts stream, bench/serve/load.py's hostile clients).
 
 Invariants: every entry is something a model or a user could send; none needs more than the sandbox's
 own limits to be contained (its per-query deadline, row cap, memory cap, read-only connection). The

@@ -9,10 +9,19 @@ from __future__ import annotations
 
 from typing import Callable
 
-from config.schema import (AssemblerConfig, ClusterConfig, CoordinatorConfig, DataConfig, GeneratorConfig,
-                     LearnerConfig, ModelConfig, RunConfig, ScorerConfig)
+from config.schema import (
+    AssemblerConfig,
+    ClusterConfig,
+    CoordinatorConfig,
+    DataConfig,
+    GeneratorConfig,
+    LearnerConfig,
+    ModelConfig,
+    RunConfig,
+    ScorerConfig,
+)
 
-# tasks.synthetic.TINY_TEMPLATES (config/ imports nothing of ours; tests/test_tiny_task.py keeps them equal)
+# tasks.synthetic.TINY_TEMPLATES (config/ imports nothing of ours; tests/unit/test_tiny_task.py keeps them equal)
 TINY_TEMPLATES = (0, 1, 3, 4, 5, 6, 8)
 # tiny_forms' and tiny_look's: tiny's templates whose gold compares a place or category value (0, 1, 4, 5)
 FORMS_TEMPLATES = (0, 1, 4, 5)
@@ -68,7 +77,7 @@ def tiny_mt() -> RunConfig:
     warm start's own draw (the template's slip 60 % of the time, else the gold SQL), its real rows the
     observation, the gold SQL the answer; the other half are direct answers with tiny's gold/slip
     mixture. The answer budget grows to fit a query and its observation before the answer. Compare with
-    tiny (one turn) at the same steps: `python -m bench.tiny_turns`."""
+    tiny (one turn) at the same steps: `python -m bench.learning.tiny_turns`."""
     cfg = _three_turns(tiny(), "tiny_mt")
     cfg.model.tiny_sft_revise = 1.0
     return cfg
@@ -113,7 +122,7 @@ def tiny_look() -> RunConfig:
     (`Oslo-2`), then the one-shot draw's answer in the stored form; 20 % are error-then-fix: a query with a
     misspelt identifier, its real error, then the same answer. Every episode ends on the answer a direct one
     would give (gold or slip), so only looking and retrying differ from tiny_forms. Compare with tiny_forms
-    (one turn) at the same steps: `python -m bench.tiny_turns`. Measured 2026-12-04 (docs/perf/tiny.md, 20
+    (one turn) at the same steps: `python -m bench.learning.tiny_turns`. Measured 2026-12-04 (docs/perf/tiny.md, 20
     steps, seeds 0-2): held-out greedy 0.183 -> 0.413, 0.000 -> 0.520, 0.095 -> 0.460 against tiny_forms'
     0.106 -> 0.192, 0.140 -> 0.170, 0.111 -> 0.167 (gaps +0.22, +0.35, +0.29); it looks or queries in 53-73 %
     of training episodes. With look-only episodes (tiny_sft_look=1): gaps +0.51, +0.26, +0.15."""
@@ -183,7 +192,7 @@ def gpu1_0p6b() -> RunConfig:
     - The task is widened because tiny's own (720 training prompts of 115 distinct texts) is memorised by a
       354M model: after the warm start it answered 82 % of the training prompts (98 % by step 20) while
       held-out greedy moved 0.311 -> 0.392 and back, most groups dropped as zero-variance.
-    - The warm start, from `bench.gpu_warm_start` on this task (lr 1e-3, 30 % slips): held-out greedy 0.134
+    - The warm start, from `bench.gpu.warm_start` on this task (lr 1e-3, 30 % slips): held-out greedy 0.134
       after 400 steps, 0.522 after 600, 0.613 after 800 (training greedy 0.53 / 0.75 / 0.77): the model
       learns to carry values to new databases between 400 and 600 steps; 500 sits inside that transition
       (0.177 held-out greedy in the run), leaving GRPO the rest of it.
@@ -241,7 +250,7 @@ def gpu1_0p6b_async() -> RunConfig:
     the engine parks its in-flight requests and continues them under the new weights (partial rollouts),
     the weights go over CUDA IPC on the card (the colocated path's transport), and the loss corrects for
     the behaviour policy with TIS at 2 (as gpu1_0p6b). Its warm start runs beside the resident engine.
-    Compare with gpu1_0p6b in one device call: `python -m bench.gpu_async`. Measured on one H200
+    Compare with gpu1_0p6b in one device call: `python -m bench.gpu.recipe_async`. Measured on one H200
     (2026-12-04, seed 0, 40 steps; docs/perf/vllm_sync.md): 49.7 samples/s a whole step against
     colocated's 30.1 (1.65x), held-out reward 0.216 -> 0.291 and greedy 0.177 -> 0.285 (colocated 0.268 /
     0.247), 52.0 GiB resident against 44.7; its start-up is longer (the learner built and asleep before the
@@ -255,8 +264,9 @@ def gpu1_0p6b_async() -> RunConfig:
 
 
 def get_recipe(name: str) -> RunConfig:
-    from config.schema import ConfigError
     import difflib
+
+    from config.schema import ConfigError
 
     if name not in RECIPES:
         close = difflib.get_close_matches(name, list(RECIPES), n=3, cutoff=0.4)

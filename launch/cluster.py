@@ -27,7 +27,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "one weight-sync bucket and Redis from every node; print a table and exit")
     p.add_argument("--simulate", action="store_true",
                    help="with --preflight: on a local Ray cluster of the recipe's shape (logical GPUs)")
-    return p.parse_args(argv)
+    # intermixed: flags may come after the recipe or between overrides (`gpu1_0p6b --dry-run learner.lr=1e-5`)
+    return p.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,7 @@
 Invariants: every printed command starts with this process's Python (its path relative to the current
 directory when it lies below it, so a venv's `.venv/bin/python` works without activating it), every
 argument is shell-quoted, and each one parses with its module's own argument parser
-(tests/test_commands.py runs them).
+(tests/integration/test_commands.py runs them).
 """
 from __future__ import annotations
 

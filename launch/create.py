@@ -24,8 +24,15 @@ from typing import Any
 
 from actors.shell import ActorCallTimeout, spawn
 from config import RunConfig, RunContext
-from launch.groups import (PlacementFailed, actor_options, build_placement_groups, bundle_gpu_ids, check_cpus,
-                           device_ids, remove_groups)
+from launch.groups import (
+    PlacementFailed,
+    actor_options,
+    build_placement_groups,
+    bundle_gpu_ids,
+    check_cpus,
+    device_ids,
+    remove_groups,
+)
 from launch.startup_memory import StartupMemory
 
 
@@ -49,7 +56,8 @@ def create_actors(cfg: RunConfig, ctx: RunContext, model_path: str, total_steps:
 
     names = names or ctx.run_id
 
-    from actors import assembler as assembler_module, scorer as scorer_module
+    from actors import assembler as assembler_module
+    from actors import scorer as scorer_module
     from actors.generator import shell as generator_module
     from config.placement import make_placement
 

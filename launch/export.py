@@ -14,21 +14,21 @@ from __future__ import annotations
 from pathlib import Path
 
 from actors.coordinator.export import (  # noqa: F401  (re-exported)
-    SETTINGS_FILE,
     DEFAULT_SETTINGS,
+    SETTINGS_FILE,
     ExportError,
-    export_dir,
     begin_export,
-    commit_export,
-    write_atomic,
-    source_model_dir,
-    prompt_style,
-    inference_settings,
     checkpoints_to_prune,
+    commit_export,
+    export_dir,
+    inference_settings,
+    latest_export,
+    prompt_style,
     prune_checkpoints,
     prune_exports,
     read_settings,
-    latest_export,
+    source_model_dir,
+    write_atomic,
 )
 
 
@@ -60,9 +60,9 @@ def load_engine(model_dir: str | Path, engine: str = "", device: str = "auto", m
     as in training (the export's max_observation_tokens)."""
     from transformers import AutoTokenizer
 
+    from actors.engines.hf import resolve_device
     from actors.engines.registry import make_engine
     from config import GeneratorConfig, ModelConfig
-    from actors.engines.hf import resolve_device
 
     settings = read_settings(model_dir)
     engine = engine or default_engine()

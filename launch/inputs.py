@@ -7,7 +7,7 @@ Invariants:
 - `build_in_child` runs prepare_model_and_data, load_prompts and (when the run warm-starts)
   launch.warm_start.draw in one spawned child process, whose log lines go to the launcher's log and
   console as if the launcher wrote them. The launcher therefore never imports transformers or torch:
-  they were ~220 MB of its RSS for the whole run (docs/perf/peers.md); tests/test_tiny_e2e.py checks
+  they were ~220 MB of its RSS for the whole run (docs/perf/peers.md); tests/e2e/test_tiny_e2e.py checks
   the launcher's `run finished` line says so (`launcher_torch`).
 - A failure in the child is raised in the parent as the same exception (ConfigError, BirdDataError: one
   line; anything unpicklable as a RuntimeError with its one line); a child that dies without an answer is
@@ -19,8 +19,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from config import ConfigError, RunConfig
-from config import layout
+from config import ConfigError, RunConfig, layout
 
 # Building the inputs (the tiny model and its tokenizer, or a large model's tokenizer and every prompt)
 # takes seconds to a few minutes; past this the launcher gives up with one line.

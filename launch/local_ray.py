@@ -171,7 +171,6 @@ def start_ray(cfg: RunConfig, run_dir: Path, log) -> None:
     cluster is cluster.dashboard (and off when ray[default]'s modules are missing); its settings (LOCAL_RAY_ENV:
     the actors at the launcher's own priority, a capped GCS task history) are init_local_ray's."""
     import ray
-
     from ray._private.utils import get_num_cpus as host_cpus
 
     from config.placement import local_num_cpus, make_placement

@@ -18,7 +18,7 @@ afresh; before they go, stop_actors ends the actors in order (a group removed un
 actors restarts them instead).
 
 Frozen actors (alive to Ray, silent: SIGSTOP, a stuck device, a lost node): every wait here is bounded
-by coordinator.call_timeout_s (actors.shell.get_within / call_within; the coordinator and the learner
+by coordinator.call_timeout_s (the typed handles of actors/handles.py; the coordinator and the learner
 group bound their own calls; the coordinator itself answers a liveness ping, `watch_coordinator`). A
 wait past its bound raises ActorCallTimeout naming the actor and the call, which launch/run.py
 handles as a death.
@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.shell import ActorCallTimeout, call_within, get_within, spawn
-from config import RunConfig, RunContext
-from config import layout
+from actors.handles import AssemblerHandle, CallBounds, CoordinatorHandle, GeneratorPool, ScorerPool, never_restart
+from actors.shell import ActorCallTimeout, spawn
+from config import RunConfig, RunContext, layout
 from launch.create import create_actors, wait_built
 from launch.groups import actor_options, remove_groups
 from launch.startup_memory import StartupMemory
@@ -66,64 +66,62 @@ def _drive(cfg: RunConfig, ctx: RunContext, model_path: str, train_items: list, 
         wait_built({**{f"generator-{i}": g for i, g in enumerate(generators)},
                     **{f"scorer-{i}": s for i, s in enumerate(scorers)}, "assembler": assembler,
                     **{f"learner rank {r}": h for r, h in enumerate(learner.ranks)}})
-        loops += [a.run.remote() for a in [*generators, *scorers]]
-        get_within(assembler.start.remote(), cfg.coordinator.call_timeout_s, "assembler.start")
+        bounds = CallBounds.of(cfg)
+        pool = GeneratorPool(generators, bounds, restart=never_restart)  # here a frozen generator is a death
+        loops += pool.start_loops() + ScorerPool(scorers).start_loops()
+        asyncio.run(AssemblerHandle(assembler, bounds).start())
         asyncio.run(learner.connect())  # the group bounds its ranks' calls
         if placement.gpu_shared:  # the learner trains (warm start) only once every engine's start-up profile is done
             from launch.startup_memory import STARTUP_TIMEOUT_S
 
-            get_within([g.pid.remote() for g in generators], STARTUP_TIMEOUT_S, "generators.pid (engine start-up)")
+            asyncio.run(pool.started(STARTUP_TIMEOUT_S))
         memory = memory or StartupMemory(log, False)
         memory.mark("engines built", learner, generators)
-        coordinator = spawn(Coordinator, cfg, ctx,
-                            options=dict(name=f"{names}:coordinator", **actor_options(placement.actor("coordinator"), groups)),
-                            train_items=train_items, eval_items=eval_items, generators=generators, learner=learner,
-                            assembler=assembler)
-        wait_built({"coordinator": coordinator})
-        return _drive_coordinator(cfg, Path(ctx.run_dir), model_path, train_items, log, learner, generators,
+        coordinator = CoordinatorHandle(spawn(
+            Coordinator, cfg, ctx, options=dict(name=f"{names}:coordinator", **actor_options(placement.actor("coordinator"), groups)),
+            train_items=train_items, eval_items=eval_items, generators=generators, learner=learner,
+            assembler=assembler), bounds)
+        wait_built({"coordinator": coordinator.actor})
+        return _drive_coordinator(cfg, Path(ctx.run_dir), model_path, train_items, log, learner, pool,
                                   coordinator, loops, memory, draws)
     finally:
-        stop_actors(names, generators, scorers, assembler, learner, coordinator, loops, log)
+        stop_actors(names, generators, scorers, assembler, learner, coordinator and coordinator.actor, loops, log)
 
 
 def _drive_coordinator(cfg: RunConfig, run_dir: Path, model_path: str, train_items: list, log, learner,
-                       generators: list, coordinator, loops: list, memory: StartupMemory | None = None,
-                       draws=None) -> dict[str, Any]:
+                       generators: GeneratorPool, coordinator: CoordinatorHandle, loops: list,
+                       memory: StartupMemory | None = None, draws=None) -> dict[str, Any]:
     """Warm start (or resume), the initial sync, then the coordinator's loop to its end, watching the
     stream loops (one that ends on its own is an error) and the coordinator's liveness (watch_coordinator).
     `memory` marks the start-up phases. Every wait is bounded: the coordinator and the learner group bound
     their own calls, the rest here."""
     import asyncio
 
-    from actors.coordinator.bounds import call_bound
-    from actors.coordinator.coordinator import Coordinator
+    from actors.coordinator.checkpoint import Checkpoints
     from launch.progress import Progress
 
     memory = memory or StartupMemory(log, False)
     bound = cfg.coordinator.call_timeout_s
-    get_within(coordinator.attach_metrics.remote(), bound, "coordinator.attach_metrics")
-    latest = Coordinator.latest_checkpoint(run_dir) if cfg.coordinator.resume else None
+    asyncio.run(coordinator.attach_metrics())
+    latest = Checkpoints.latest(run_dir) if cfg.coordinator.resume else None
     if latest is not None:
         log.info("resuming", checkpoint=str(latest))
-        watch_coordinator(coordinator, coordinator.resume_from.remote(latest), bound, loops)
+        watch_coordinator(coordinator, coordinator.start_resume(latest), bound, loops)
     else:
         if cfg.coordinator.mode == "colocated" and will_warm_start(cfg):
             # The warm start trains with the engines asleep (weights and KV released), never beside a
             # resident engine: the device's start-up peak stays that of a training step, not both at once.
-            async def sleep_all():
-                await asyncio.gather(*(call_within(call_bound(cfg, "generator", "sleep"), f"generator-{i}", g, "sleep",
-                                                   cfg.generator.sleep_level) for i, g in enumerate(generators)))
-            asyncio.run(sleep_all())
-            memory.mark("engines asleep", learner, generators)
+            asyncio.run(generators.sleep(cfg.generator.sleep_level))
+            memory.mark("engines asleep", learner, generators.actors)
         sft = warm_start(cfg, learner, train_items, model_path, log, draws=draws)
         if sft:
-            memory.mark("warm start done", learner, generators)
-        watch_coordinator(coordinator, coordinator.initial_sync.remote(sft), bound, loops)
-        memory.mark("initial sync done", learner, generators)
+            memory.mark("warm start done", learner, generators.actors)
+        watch_coordinator(coordinator, coordinator.start_initial_sync(sft), bound, loops)
+        memory.mark("initial sync done", learner, generators.actors)
     metrics = layout.metrics_file(run_dir)  # a resumed run prints only its own rows
     progress = Progress(run_dir, cfg.coordinator.steps,
                         seen=len(metrics.read_text().splitlines()) if cfg.coordinator.resume and metrics.exists() else 0)
-    summary = watch_coordinator(coordinator, coordinator.run.remote(), bound, loops, on_tick=progress.print_new)
+    summary = watch_coordinator(coordinator, coordinator.start_run(), bound, loops, on_tick=progress.print_new)
     progress.print_new()
     return summary
 
@@ -133,7 +131,7 @@ def _drive_coordinator(cfg: RunConfig, run_dir: Path, model_path: str, train_ite
 PING_EVERY_S = 10.0
 
 
-def watch_coordinator(coordinator, ref, ping_timeout_s: float, loops: list, on_tick=None,
+def watch_coordinator(coordinator: CoordinatorHandle, ref, ping_timeout_s: float, loops: list, on_tick=None,
                       every_s: float = PING_EVERY_S) -> Any:
     """ray.get(ref) of a long coordinator call (resume_from, initial_sync, run), whose calls to other actors
     are bounded by the coordinator itself. Meanwhile: a stream loop in `loops` that ended with an error
@@ -154,7 +152,7 @@ def watch_coordinator(coordinator, ref, ping_timeout_s: float, loops: list, on_t
             ray.get(r)
         now = time.monotonic()
         if ping is None and now >= next_ping:
-            ping = (coordinator.pid.remote(), now)
+            ping = (coordinator.ping(), now)
         if ping is not None:
             if ray.wait([ping[0]], timeout=0)[0]:
                 ray.get(ping[0])

@@ -79,9 +79,22 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from config import RunConfig
-from config.memory import (CUDA_CONTEXT_GIB, DTYPE_BYTES, GIB, ModelShape, _checkpointing_note, kv_bytes_per_token,
-                           learner_asleep_awake_gib, learner_build_gib, learner_state_gib, model_shape,
-                           shared_async_budget, shared_async_phases, startup_and_checkpoint_phases, vllm_awake_gib)
+from config.memory import (
+    CUDA_CONTEXT_GIB,
+    DTYPE_BYTES,
+    GIB,
+    ModelShape,
+    _checkpointing_note,
+    kv_bytes_per_token,
+    learner_asleep_awake_gib,
+    learner_build_gib,
+    learner_state_gib,
+    model_shape,
+    shared_async_budget,
+    shared_async_phases,
+    startup_and_checkpoint_phases,
+    vllm_awake_gib,
+)
 from config.placement import Placement, make_placement
 from launch.plan_table import ActorPlacement, placement_rows, render_plan
 

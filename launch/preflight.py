@@ -40,7 +40,6 @@ from typing import Any
 from config import RunConfig
 from config.placement import Placement, make_placement
 
-
 LOOPBACK = "127.0.0.1"
 # Each wait on the probes (reports, rendezvous, collectives): generous, because a simulated bird_32b
 # starts 44 probe processes and imports torch in 40 of them on one (possibly shared) 2-core machine.
@@ -150,8 +149,15 @@ def run_probes(cfg: RunConfig, redis_url: str, simulate: bool, placement_timeout
     """Steps 1-5 on the Ray cluster this process is connected to."""
     import ray
 
-    from launch.groups import (PlacementFailed, actor_options, build_placement_groups, bundle_gpu_ids, check_cpus,
-                               group_nodes, remove_groups)
+    from launch.groups import (
+        PlacementFailed,
+        actor_options,
+        build_placement_groups,
+        bundle_gpu_ids,
+        check_cpus,
+        group_nodes,
+        remove_groups,
+    )
     from launch.probe import Probe
 
     t0 = time.perf_counter()
@@ -289,7 +295,8 @@ def preflight(cfg: RunConfig, simulate: bool = False, placement_timeout_s: float
     import ray
 
     from launch.local_ray import start_ray
-    from launch.run import preflight as reachable, redis_url_of
+    from launch.run import preflight as reachable
+    from launch.run import redis_url_of
 
     placement = make_placement(cfg)
     if placement.errors:

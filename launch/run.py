@@ -16,17 +16,16 @@ from typing import Any
 
 import msgspec
 
-from config import ConfigError, RunConfig, RunContext, check_inputs
-from config import layout
-from queues.errors import one_line  # noqa: F401 - launch.run.one_line for the CLI and preflight
-from tasks.bird import BirdDataError
+from config import ConfigError, RunConfig, RunContext, check_inputs, layout
 from launch.commands import command
-from launch.inputs import build_in_child, input_paths, offline_unless_allowed
-from launch.local_ray import start_ray
-from launch.inputs import load_prompts, prepare_model_and_data  # noqa: F401 - launch.run's names (bench/)
 from launch.export import next_steps
+from launch.inputs import build_in_child, input_paths, load_prompts, offline_unless_allowed, prepare_model_and_data  # noqa: F401 - launch.run's names (bench/)
+from launch.local_ray import start_ray
 from launch.progress import summary
 from observe.logs import setup_logging
+from queues.errors import one_line  # noqa: F401 - launch.run.one_line for the CLI and preflight
+from tasks.bird import BirdDataError
+
 
 def resolve_run_dir(cfg: RunConfig) -> tuple[str, Path]:
     root = Path(cfg.run_root).absolute()
@@ -184,7 +183,7 @@ def run(cfg: RunConfig) -> int:
                 log.info("resume: dropped the crashed attempt's streams", keys=purged)
         start_ray(cfg, run_dir, log)
         # Again: ray.init installs its own SIGTERM handler (the driver aborts with a C++ stack, skipping
-        # this teardown); ours makes SIGTERM the Ctrl-C path (bench/soak.py stops every half with it).
+        # this teardown); ours makes SIGTERM the Ctrl-C path (bench/faults/soak.py stops every half with it).
         signal.signal(signal.SIGTERM, on_sigterm)
         inputs = pending.result()
         model_path, train_items, eval_items = inputs.model_path, inputs.train_items, inputs.eval_items
@@ -258,7 +257,7 @@ def run_with_relaunches(cfg: RunConfig, ctx: RunContext, model_path: str, train_
     checkpoint it starts again from the beginning (warm start included): nothing of the attempt counts,
     its metrics rows are superseded by the new attempt's. `draws`: the warm start's (launch/inputs.py), kept
     for such a start again."""
-    from actors.coordinator.coordinator import Coordinator
+    from actors.coordinator.checkpoint import Checkpoints
     from launch.place import kill_run_actors, place_and_run
 
     run_id = ctx.run_id
@@ -268,7 +267,7 @@ def run_with_relaunches(cfg: RunConfig, ctx: RunContext, model_path: str, train_
             names = run_id if relaunches == 0 else f"{run_id}:relaunch{relaunches}"
             return place_and_run(cfg, ctx, model_path, train_items, eval_items, log, names, draws=draws)
         except Exception as e:  # noqa: BLE001 - re-raised unless it is an actor death we can resume from
-            latest = Coordinator.latest_checkpoint(Path(ctx.run_dir))
+            latest = Checkpoints.latest(Path(ctx.run_dir))
             if not actor_died(e) or relaunches >= cfg.cluster.max_relaunches:
                 raise
             relaunches += 1

@@ -53,8 +53,15 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from launch.serve_health import (HEALTH_APP, HEALTH_PREFIX, MODEL_APP, MODEL_DEPLOYMENT, build_health, proxy_answers,
-                                  proxy_env)
+from launch.serve_health import (
+    HEALTH_APP,
+    HEALTH_PREFIX,
+    MODEL_APP,
+    MODEL_DEPLOYMENT,
+    build_health,
+    proxy_answers,
+    proxy_env,
+)
 from launch.serve_http import (  # noqa: F401  (re-exported: tests and callers import them from here)
     MAX_BODY_BYTES,
     RequestError,
@@ -111,10 +118,9 @@ MAX_TURNS = 8  # /v1/sql's max_turns at most
 class SqlService:
     def __init__(self, opts: dict):
         from launch.export import load_engine
+        from launch.serve_life import lower_priority, replica_grpc_on_loopback
         from tasks.bird import read_schema, schema_text
         from tasks.sql_pool import SqlPool
-
-        from launch.serve_life import lower_priority, replica_grpc_on_loopback
 
         self.opts = ServeOptions(**opts)
         self.nice = lower_priority(self.opts.replica_nice)  # first: its threads and SQL workers inherit it

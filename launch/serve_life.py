@@ -56,7 +56,7 @@ def replica_grpc_on_loopback() -> bool:
     Ray Serve's inter-deployment gRPC server bind 127.0.0.1 instead of every interface: Ray 2.60's replica
     hard-codes `[::]:0` (ray/serve/_private/replica.py `_on_initialized`), the one socket of the service
     beyond loopback besides the proxy. Called from the replica's constructor, which runs before that
-    server starts. True when it applied; a Ray without that hook is left as it is (tests/test_serve_life
+    server starts. True when it applied; a Ray without that hook is left as it is (tests/e2e/test_serve_life
     fails on any such socket)."""
     import ray
 

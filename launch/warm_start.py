@@ -12,7 +12,7 @@ used: the held-out split is never seen here. Steps travel `steps_per_call` at a 
 (`sft_steps`: each rank loops over them); every step's draws are made beforehand (`draw`, in the launcher's
 inputs child process: the launcher itself never loads the tokenizer) in the same order as one call a step
 would make them, so the run is the same whichever the batching. A step's draws are `step_draws` (this module imports
-neither config nor msgspec: bench/gpu_warm_start.py replays the draws on a device that has only torch).
+neither config nor msgspec: bench/gpu/warm_start.py replays the draws on a device that has only torch).
 In a colocated run the launcher puts the engines to sleep before it (launch/place.py), so the warm
 start never shares the device with a resident engine.
 With generator.max_turns > 1 and `model.tiny_sft_episodes` = q > 0, each drawn example is, with
@@ -171,8 +171,8 @@ class _Episodes:
         """(prompt ids, response ids, loss mask): a slip-then-fix episode when `error_first` (and a
         misspelling of the answer errors, or, for a share `model.tiny_sft_value_slips`, a misspelt value
         shows other rows), else the direct answer."""
-        from tasks.synthetic_text import slipped
         from tasks.synthetic_episodes import episode_target, look_target, revise_target
+        from tasks.synthetic_text import slipped
 
         answer = (slipped(item.gold_sql) if use_slip else None) or item.gold_sql
         if error_first and self.p_look > 0 and rng.random() < self.p_look:

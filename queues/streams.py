@@ -24,8 +24,9 @@ import time
 from typing import Awaitable, Callable, TypeVar
 
 import redis.asyncio as aioredis
+from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError, TimeoutError as RedisTimeoutError, AuthenticationError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from queues.errors import redact  # noqa: F401 - re-exported: queues.streams.redact
 from queues.topology import HashSpec, StreamSpec, run_key

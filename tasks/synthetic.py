@@ -28,8 +28,16 @@ from pathlib import Path
 from typing import Iterator
 
 # the task's words; SLIPS, TINY_TEMPLATES, slipped and template_of are re-exported for callers of this module
-from tasks.synthetic_text import (DOMAINS, FIRST_NAMES, LAST_NAMES, SLIPS, TEMPLATES, TINY_TEMPLATES,  # noqa: F401
-                                  slipped, template_of)
+from tasks.synthetic_text import (  # noqa: F401
+    DOMAINS,
+    FIRST_NAMES,
+    LAST_NAMES,
+    SLIPS,
+    TEMPLATES,
+    TINY_TEMPLATES,
+    slipped,
+    template_of,
+)
 
 _FACT_YEARS = (2019, 2024)
 

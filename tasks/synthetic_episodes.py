@@ -51,8 +51,8 @@ import random
 import re
 
 from policies import episode as ep
-from tasks.synthetic_text import DOMAINS
 from tasks.synthetic_forms import COLUMNS, POOL, TABLE
+from tasks.synthetic_text import DOMAINS
 
 _IDENT = re.compile(r"\b([A-Za-z_][A-Za-z_]{3,})\b")
 _KEYWORDS = {"SELECT", "FROM", "WHERE", "GROUP", "ORDER", "LIMIT", "INNER", "JOIN", "COUNT", "DISTINCT", "HAVING",

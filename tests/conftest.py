@@ -1,18 +1,16 @@
-"""Shared fixtures: a real redis-server per test (started in ~15 ms on a unix socket), and the tiny
-model + tokenizer built once per session (`tiny_dir`: float32, seed 0; tests only read it).
+"""Fixtures every lane shares (tests/unit, tests/integration, tests/e2e): a real redis-server per test (started
+in ~15 ms on a unix socket), and the tiny model + tokenizer built once per session (`tiny_dir`: float32, seed 0; tests only read it).
 
 Invariant: no test module leaves torch.distributed's variables (DIST_ENV: RANK, WORLD_SIZE, ...) in
 the pytest process's environment; a module that builds a Learner in-process (which sets them for
 DeepSpeed) uses `learner_process_env`, and the last test of a module that leaks them fails in its
 teardown, naming the variables (the environment is put back for the next module)."""
-import contextlib
 import os
-import shutil
-import tempfile
 
 import pytest
 
 from queues.redis_server import EmbeddedRedis
+from tests.clusters import ray_cluster
 
 
 @pytest.fixture(scope="session")
@@ -88,51 +86,8 @@ def redis_url(redis_server):
     return redis_server.url
 
 
-@contextlib.contextmanager
-def ray_cluster(prefix: str = "ray-test-"):
-    """A real local Ray (2 CPUs, no dashboard) in its own temp dir, whose workers import this repo.
-
-    `address="local"` always starts a new cluster (never joins one another test or process left), tried
-    again when Ray's fixed 30 s raylet wait runs out on a loaded machine (launch.local_ray.init_local_ray).
-    PYTHONPATH is restored afterwards. Used by the `local_ray` fixture and by module-scoped ones.
-    """
-    ray = pytest.importorskip("ray")
-    from launch.local_ray import init_local_ray
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = root + os.pathsep + (saved or "")
-    temp_dir = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
-    try:
-        init_local_ray(num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
-        try:
-            yield ray
-        finally:
-            ray.shutdown()
-    finally:
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
-
-
 @pytest.fixture
 def local_ray():
     """A real local Ray for one test (see ray_cluster)."""
     with ray_cluster() as ray:
         yield ray
-
-
-# The fast lane (`pytest -m "not slow"`, README): everything but these files, which start a whole run
-# (launcher, Ray cluster, several actors) or a server. CI still runs everything.
-SLOW_FILES = frozenset({
-    "test_tiny_e2e.py", "test_chaos.py", "test_preflight.py", "test_learner_ranks.py", "test_serve.py",
-    "test_export.py", "test_weight_sync_actors.py", "test_security.py", "test_tiny_episodes_e2e.py",
-})
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.path.name in SLOW_FILES:
-            item.add_marker(pytest.mark.slow)

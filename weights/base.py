@@ -27,9 +27,18 @@ if TYPE_CHECKING:
     import torch
 
 from weights.wire import (
-    BucketPlan, Expected, ExportWeights, LoadWeights, NamedTensors, SyncAbort, SyncSummary, WeightSyncError,
-    normalise_expected, validate_plan,
+    BucketPlan,
+    Expected,
+    ExportWeights,
+    LoadWeights,
+    NamedTensors,
+    SyncAbort,
+    SyncSummary,
+    WeightSyncError,
+    normalise_expected,
+    validate_plan,
 )
+
 
 class SenderBase:
     """Pulls buckets from the learner's export_weights lazily, so at most one is live."""

@@ -29,8 +29,17 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from weights.base import ReceiverBase, SenderBase
 from weights.wire import (
-    BucketPlan, Expected, ExportWeights, LoadWeights, SyncAbort, SyncSummary, WeightSyncError, decode_message,
-    encode_message, flatten_bucket, unflatten_bucket,
+    BucketPlan,
+    Expected,
+    ExportWeights,
+    LoadWeights,
+    SyncAbort,
+    SyncSummary,
+    WeightSyncError,
+    decode_message,
+    encode_message,
+    flatten_bucket,
+    unflatten_bucket,
 )
 
 if TYPE_CHECKING:

@@ -29,8 +29,17 @@ from weights.base import ReceiverBase, SenderBase, maybe_await
 from weights.bucketed import BucketedTransport
 from weights.protocol import TransportKey, WorkerStep, in_workers
 from weights.wire import (
-    BucketPlan, Expected, ExportWeights, LoadWeights, SyncAbort, SyncSummary, WeightSyncError, decode_message,
-    encode_message, flatten_bucket, unflatten_bucket,
+    BucketPlan,
+    Expected,
+    ExportWeights,
+    LoadWeights,
+    SyncAbort,
+    SyncSummary,
+    WeightSyncError,
+    decode_message,
+    encode_message,
+    flatten_bucket,
+    unflatten_bucket,
 )
 
 if TYPE_CHECKING:

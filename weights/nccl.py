@@ -23,7 +23,14 @@ from typing import Any, ClassVar
 from weights.base import ExportOnly
 from weights.broadcast import BroadcastReceiver, BroadcastSender, Rendezvous, group_layout
 from weights.protocol import (
-    Link, ReceiverStep, SenderStep, Transport, TransportKey, WeightsCall, WorkerStep, in_workers,
+    Link,
+    ReceiverStep,
+    SenderStep,
+    Transport,
+    TransportKey,
+    WeightsCall,
+    WorkerStep,
+    in_workers,
 )
 from weights.wire import WeightSyncError
 

@@ -26,8 +26,18 @@ from weights.base import ReceiverBase, SenderBase, maybe_await
 from weights.bucketed import BucketedTransport
 from weights.protocol import TransportKey, WorkerStep, in_workers
 from weights.wire import (
-    BucketPlan, Expected, ExportWeights, LoadWeights, SyncAbort, SyncSummary, WeightSyncError, decode_message,
-    encode_message, payload_and_plan, payload_to_tensors, raw_bytes,
+    BucketPlan,
+    Expected,
+    ExportWeights,
+    LoadWeights,
+    SyncAbort,
+    SyncSummary,
+    WeightSyncError,
+    decode_message,
+    encode_message,
+    payload_and_plan,
+    payload_to_tensors,
+    raw_bytes,
 )
 
 # (checked plan, {dtype: uint8 buffer, a numpy array or bytes}) -> loads the bucket in the engine's own workers

@@ -12,10 +12,10 @@ take the new weights and resume (parked requests continue under the new weights)
 
 Invariants:
 - Control calls are awaited in order; a step's handshake never interleaves with another's.
-- Every call to an actor has a bound (actors/coordinator/bounds.py): one past it (a frozen actor) raises
+- Every call to an actor has a bound (actors/handles.py): one past it (a frozen actor) raises
   ActorCallTimeout naming the actor and the call, and the run ends as on a death (relaunch or one line);
-  a frozen generator is first restarted in place, once a call (bounds.py), at the latest when a step's groups
-  are late (its restarted instance then serves them in that step: _wait_generated).
+  a frozen generator is first restarted in place, once a call (GeneratorPool), at the latest when a step's
+  groups are late (its restarted instance then serves them in that step: _wait_generated).
 - Every task the coordinator publishes gets exactly one outcome in the ledger (trained or a
   drop reason), and the per-step counts are in the step's metrics. The ledger is the one record that
   grows with the run; everything else the coordinator holds covers the last few steps (a step's
@@ -28,10 +28,11 @@ Invariants:
   during the final checkpoint: the device never holds a resident engine and an awake learner at once
   (a mid-run checkpoint is the exception: the engines generate the next step while the learner saves).
 
-The bounded calls live in actors/coordinator/bounds.py, the weight-sync handshake in
-actors/coordinator/sync.py and checkpoints in actors/coordinator/checkpoint.py (mixins of Coordinator, with their own invariants). Built like every
-actor (actors/shell.py): `Coordinator(cfg, ctx, train_items, eval_items, generators=..., learner=...,
-assembler=...)`; its "generated" events are read by the one consumer loop (queues.worker.Worker).
+It holds a typed handle per role it calls (actors/handles.py: `generators`, `learner`, `assembler`; every
+call bounded there) and components built from them: `weights` (sync.py WeightSync: the sync handshake,
+restarted generators resynced), `checkpoints` (checkpoint.py), `report` (report.py: where metrics go). Built
+like every actor (actors/shell.py) over Ray actor handles or plain objects alike; its "generated" events are
+read by the one consumer loop (queues.worker.Worker).
 """
 from __future__ import annotations
 
@@ -40,22 +41,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
-from actors.coordinator.bounds import BoundedCalls
-from actors.coordinator.checkpoint import Checkpointing, count_outcomes
+from actors.coordinator.checkpoint import Checkpoints, count_outcomes
 from actors.coordinator.cursor import DataCursor
-from actors.coordinator.sync import WeightSyncHandshake
+from actors.coordinator.prompts import eval_tasks, train_tasks
+from actors.coordinator.report import StepReport
+from actors.coordinator.sync import WeightSync
+from actors.handles import AssemblerHandle, CallBounds, GeneratorPool, LearnerHandle
 from config import RunConfig, RunContext
 from observe.logs import setup_actor_logging
-from observe.ray_metrics import export as export_ray_metrics
-from queues.messages import EVAL_PREFIX, Event, PromptTask, codec, eval_task_id, task_step, train_task_id
+from queues.messages import Event, PromptTask, codec, task_step
 
 
-
-class Coordinator(BoundedCalls, WeightSyncHandshake, Checkpointing):
-    """The step loop (this module's docstring); its bounded calls, the weight-sync handshake and checkpoints
-    are mixins."""
+class Coordinator:
+    """The step loop (this module's docstring) over its handles and components."""
 
     # The launcher's calls (attach_metrics, stats, stop) beside run(). Not restarted by Ray: it holds the
     # run's state, and a run that loses it is relaunched from its latest checkpoint.
@@ -68,17 +66,23 @@ class Coordinator(BoundedCalls, WeightSyncHandshake, Checkpointing):
         self.cfg, self.ctx = cfg, ctx
         self.run_id, self.run_dir = ctx.run_id, Path(ctx.run_dir)
         self.train_items, self.eval_items = train_items, eval_items
-        self.generators, self.learner, self.assembler = generators, learner, assembler
         # Its JSON log (logs/coordinator.jsonl) when the run has a directory; `log` stands in (tests).
-        self.metrics_logger = metrics_logger
         self.log = log if log is not None else setup_actor_logging("coordinator", ctx) if ctx.run_dir else None
+        self.report = StepReport(cfg, ctx.run_id, self.run_dir, self.log, metrics_logger)
+        bounds = CallBounds.of(cfg)
+        self.generators = GeneratorPool(generators, bounds, log=self.log)
+        self.learner, self.assembler = LearnerHandle(learner, bounds), AssemblerHandle(assembler, bounds)
+        self.weights = WeightSync(cfg.coordinator, self.learner, self.generators, log=self.log)
+        self.checkpoints = Checkpoints(cfg, ctx.run_id, self.run_dir, self.learner, log=self.log)
         self.step = 0
         self.version = 0
         self.cursor = DataCursor(len(train_items), cfg.data.shuffle_seed)
         self.ledger: dict[str, str] = {}  # task_id -> outcome, for every task ever published
         self._generated: dict[str, float] = {}
         self._stop = False
-        self._broadcast_rdv = None  # nccl: the rendezvous of the group every generator joined
+        self._cursor_before: dict[int, dict[str, int]] = {}  # step -> the cursor before its prompts were taken
+        self._generators_resting = False
+        self.conn, self._events_task = None, None  # the run's streams and events consumer, once connected
 
     # -- streams -----------------------------------------------------------------------------
 
@@ -103,11 +107,11 @@ class Coordinator(BoundedCalls, WeightSyncHandshake, Checkpointing):
 
     async def disconnect(self) -> None:
         """Stops the events consumer (within its read bound) and closes the run's connection."""
-        if getattr(self, "_events_task", None) is not None:
+        if self._events_task is not None:
             self._events_worker.stop()
             await asyncio.wait([self._events_task], timeout=5.0)
             self._events_task.cancel()
-        if getattr(self, "conn", None) is not None:
+        if self.conn is not None:
             await self.conn.close()
 
     async def _on_event(self, entry_id: str, data: bytes) -> None:
@@ -132,11 +136,11 @@ class Coordinator(BoundedCalls, WeightSyncHandshake, Checkpointing):
     async def _wait_generated(self, task_ids: list[str], timeout_s: float) -> float:
         """Returns when every task's group was published by a generator (event), or at timeout.
         Meanwhile resyncs any generator Ray restarted (it waits for the current weights). At the timeout with
-        groups missing, a frozen generator is restarted in place (restart_frozen_generators) and the wait made
+        groups missing, a frozen generator is restarted in place (GeneratorPool.restart_frozen) and the wait made
         once more: its prompts are pending under its name, and the new instance, resynced here, serves them
         first (else the collect waited its whole timeout for them, and failed them)."""
         last = await self._wait_events(task_ids, timeout_s)
-        if not all(t in self._generated for t in task_ids) and await self.restart_frozen_generators():
+        if not all(t in self._generated for t in task_ids) and await self.generators.restart_frozen():
             last = await self._wait_events(task_ids, timeout_s)
         return last
 
@@ -156,19 +160,12 @@ class Coordinator(BoundedCalls, WeightSyncHandshake, Checkpointing):
             except asyncio.TimeoutError:
                 pass
             if time.monotonic() >= next_heal:
-                await self.heal_generators()
+                await self.weights.heal(self.version)
                 next_heal = time.monotonic() + 1.0
         return max((self._generated.get(t, 0.0) for t in task_ids), default=time.time())
 
     def _tasks(self, step: int, indices: list[int], version: int, first_slot: int = 0) -> list[PromptTask]:
-        n = self.cfg.generator.n_samples
-        now = time.time()
-        return [PromptTask(task_id=train_task_id(step, first_slot + slot), prompt_id=self.train_items[i].prompt_id, step=step,
-                           policy_version=version, prompt_tokens=self.train_items[i].prompt_tokens, n=n,
-                           db_id=self.train_items[i].db_id, db_path=self.train_items[i].db_path,
-                           gold_sql=self.train_items[i].gold_sql, difficulty=self.train_items[i].difficulty,
-                           published_at=now)
-                for slot, i in enumerate(indices)]
+        return train_tasks(self.train_items, step, indices, version, self.cfg.generator.n_samples, first_slot)
 
     async def _publish(self, tasks: list[PromptTask]) -> list[str]:
         await self.prompts.publish_many([codec(PromptTask).encode(t) for t in tasks])
@@ -177,39 +174,29 @@ class Coordinator(BoundedCalls, WeightSyncHandshake, Checkpointing):
     async def _eval(self) -> dict[str, float]:
         if not self.eval_items:
             return {}
-        def tasks(tag: str, n: int, sampling: dict) -> list[PromptTask]:
-            return [PromptTask(task_id=eval_task_id(self.step, tag, k), prompt_id=f"{EVAL_PREFIX}{it.prompt_id}",
-                               step=-1, policy_version=self.version, prompt_tokens=it.prompt_tokens, n=n,
-                               db_id=it.db_id, db_path=it.db_path, gold_sql=it.gold_sql, difficulty=it.difficulty,
-                               sampling=sampling, published_at=time.time())
-                    for k, it in enumerate(self.eval_items)]
-
         start = time.perf_counter()
         timeout = self.cfg.coordinator.step_timeout_s
-        greedy_ids = await self._publish(tasks("g", 1, {"temperature": 0.0}))
+        greedy_ids = await self._publish(eval_tasks(self.eval_items, self.step, self.version, "g", 1, {"temperature": 0.0}))
         sampled_ids = []
         if self.cfg.data.eval_samples > 0:  # held-out reward at the training temperature
-            sampled_ids = await self._publish(tasks("s", self.cfg.data.eval_samples, {}))
+            sampled = eval_tasks(self.eval_items, self.step, self.version, "s", self.cfg.data.eval_samples, {})
+            sampled_ids = await self._publish(sampled)
         # Wait as a step does (_wait_generated resyncs a generator Ray restarted meanwhile, which serves
         # nothing until it has the current weights): collect_eval alone would wait its whole timeout, twice,
         # for groups a restarted lone generator never makes (the soak's async hangs, 2026-12-04).
         await self._wait_generated(greedy_ids + sampled_ids, timeout)
-        greedy = await self._assembler("collect_eval", greedy_ids, timeout)
+        greedy = await self.assembler.collect_eval(greedy_ids, timeout)
         result = {k: v for k, v in greedy.items() if k not in ("eval_reward_mean", "eval_sample_accuracy")}
         if sampled_ids:
-            sampled = await self._assembler("collect_eval", sampled_ids, timeout)
+            sampled = await self.assembler.collect_eval(sampled_ids, timeout)
             result["eval_reward_mean"] = sampled["eval_reward_mean"]
             result["eval_sample_accuracy"] = sampled["eval_sample_accuracy"]
         result["time_eval"] = time.perf_counter() - start
         return result
 
     async def queue_depths(self) -> dict[str, float]:
-        out = {}
-        for stage, s in self.depth_streams.items():
-            d = await s.depth()
-            out[f"queue_{stage}_length"] = float(d["length"])
-            out[f"queue_{stage}_pending"] = float(d["pending"])
-        return out
+        depths = {stage: await s.depth() for stage, s in self.depth_streams.items()}
+        return {f"queue_{stage}_{k}": float(d[k]) for stage, d in depths.items() for k in ("length", "pending")}
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -221,7 +208,7 @@ class Coordinator(BoundedCalls, WeightSyncHandshake, Checkpointing):
         ids = list(task_ids)
         added = 0
         for _ in range(rounds):
-            outcomes = await self._assembler("peek", ids, self.version, self.cfg.coordinator.step_timeout_s)
+            outcomes = await self.assembler.peek(ids, self.version, self.cfg.coordinator.step_timeout_s)
             short = want - sum(o == "trained" for o in outcomes.values())
             if short <= 0:
                 break
@@ -244,15 +231,15 @@ class Coordinator(BoundedCalls, WeightSyncHandshake, Checkpointing):
         m["time_generation"] = gen_done - t0
         if colocated:
             t = time.perf_counter()
-            await self._all_generators("sleep", cfg.generator.sleep_level)
+            await self.generators.sleep(cfg.generator.sleep_level)
             m["time_generator_sleep"] = time.perf_counter() - t
             t = time.perf_counter()
-            await self._learner("wake")
+            await self.learner.wake()
             m["time_learner_wake"] = time.perf_counter() - t
         if next_publish is not None:
             await next_publish()  # async mode: the next step generates while this one trains
         t = time.perf_counter()
-        result = await self._assembler("collect", step, task_ids, self.version, cfg.coordinator.step_timeout_s)
+        result = await self.assembler.collect(step, task_ids, self.version, cfg.coordinator.step_timeout_s)
         scored_done = time.perf_counter()
         # Scoring still running after the last group was generated (and after the sleep).
         m["time_exposed_scoring"] = max(0.0, scored_done - max(t, gen_done))
@@ -262,7 +249,7 @@ class Coordinator(BoundedCalls, WeightSyncHandshake, Checkpointing):
         trained = result["published"]
         if trained:
             t = time.perf_counter()
-            train_metrics = await self._learner("train_from_stream", step)
+            train_metrics = await self.learner.train_from_stream(step)
             m["time_training"] = time.perf_counter() - t
             m.update({f"train_{k}" if not k.startswith("train_") else k: v for k, v in train_metrics.items()})
         else:
@@ -270,30 +257,30 @@ class Coordinator(BoundedCalls, WeightSyncHandshake, Checkpointing):
             m["skipped_update"] = 1.0
         if colocated:
             t = time.perf_counter()
-            await self._learner("sleep")
+            await self.learner.sleep()
             m["time_learner_sleep"] = time.perf_counter() - t
             t = time.perf_counter()
-            await self._all_generators("wake", ["weights"])
+            await self.generators.wake(["weights"])
             m["time_generator_wake_weights"] = time.perf_counter() - t
         else:
             t = time.perf_counter()
             # Partial rollouts: engines park their running requests and continue them after the
             # sync (resume below) instead of the boundary waiting for the longest one.
-            parked = await self._all_generators("pause", cfg.generator.partial_rollouts)
+            parked = await self.generators.pause(cfg.generator.partial_rollouts)
             m["time_generator_pause"] = time.perf_counter() - t
             m["interrupted_requests"] = float(sum(p or 0 for p in parked))
         if trained:
-            m["time_weight_sync"] = await self.sync_weights(self.version + 1)
+            m["time_weight_sync"] = await self.weights.sync(self.version + 1)
             self.version += 1
         elif colocated and cfg.generator.sleep_level == 2:
             # Level 2 dropped the engine's weights: give back the unchanged ones.
-            m["time_weight_sync"] = await self.sync_weights(self.version)
-        await self._all_generators("set_version", self.version)
+            m["time_weight_sync"] = await self.weights.sync(self.version)
+        await self.generators.set_version(self.version)
         if colocated:
             t = time.perf_counter()
-            await self._all_generators("wake", ["kv_cache"])
+            await self.generators.wake(["kv_cache"])
             m["time_generator_wake_kv"] = time.perf_counter() - t
-        await self._all_generators("resume")  # sleep and pause both stop pulling
+        await self.generators.resume()  # sleep and pause both stop pulling
         m["time_step"] = time.perf_counter() - t0
         m["policy_version"] = float(self.version)
         tokens = m.get("train_num_tokens", 0.0)  # the learner's packed tokens of the step
@@ -304,12 +291,26 @@ class Coordinator(BoundedCalls, WeightSyncHandshake, Checkpointing):
 
     def attach_metrics(self) -> None:
         """Inside the actor: the run's metrics.jsonl (and W&B when logging.wandb is on)."""
-        from observe.metrics import MetricsLogger
+        self.report.attach()
 
-        lc = self.cfg.logging
-        self.metrics_logger = MetricsLogger(str(self.run_dir), console=lc.console, run_config=msgspec.to_builtins(self.cfg),
-                                            wandb_cfg={"enabled": lc.wandb, "project": lc.wandb_project,
-                                                       "entity": lc.wandb_entity, "name": self.run_id})
+    # -- what the launcher starts beside the loop: the initial sync, the resume; checkpoints ----
+
+    async def initial_sync(self, warm_start_metrics: dict[str, float]) -> None:
+        """Before the first step (actors/coordinator/sync.py WeightSync.initial)."""
+        await self.weights.initial(self.version, warm_start_metrics)
+
+    async def save_checkpoint(self, step: int) -> Path:
+        """The learner's state and ours (actors/coordinator/checkpoint.py), with the cursor where step+1
+        starts: its prompts may already be published (taken from the cursor); a resume takes them again."""
+        return await self.checkpoints.save(step, self.version, self._cursor_before.get(step + 1, self.cursor.state()),
+                                           self.ledger, resyncs=self.weights.resyncs,
+                                           frozen_restarts=self.generators.frozen_restarts)
+
+    async def resume_from(self, path: Path) -> None:
+        """Continues after the checkpoint at `path`: the next step, the same data order, its weights."""
+        saved = await self.checkpoints.load(path, len(self.train_items))
+        self.step, self.version, self.cursor, self.ledger = saved.step + 1, saved.version, saved.cursor, saved.ledger
+        await self.weights.load(self.version)  # the generators start from the initial weights: the checkpoint's
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -327,14 +328,14 @@ class Coordinator(BoundedCalls, WeightSyncHandshake, Checkpointing):
         pending: list[tuple[int, list[str]]] = []  # async mode: steps published ahead
 
         async def publish_step(step: int) -> None:
-            self._cursor_before = {s: c for s, c in getattr(self, "_cursor_before", {}).items() if s >= step - 1}
+            self._cursor_before = {s: c for s, c in self._cursor_before.items() if s >= step - 1}
             self._cursor_before[step] = self.cursor.state()
             tasks = self._tasks(step, self.cursor.take(per_step), self.version)
             pending.append((step, await self._publish(tasks)))
 
         first = self.step
         if self.step == 0 and cfg.eval_every:
-            await self._log_eval(await self._eval())
+            self.report.eval(self.step, await self._eval())
         if self.step < cfg.steps:
             await publish_step(self.step)
         while self.step < cfg.steps and not self._stop:
@@ -360,25 +361,16 @@ class Coordinator(BoundedCalls, WeightSyncHandshake, Checkpointing):
                     await self._rest_generators()
                 await self.save_checkpoint(step)
                 m["time_checkpoint"] = time.perf_counter() - t
-            if self.metrics_logger is not None:
-                self.metrics_logger.log_step(step, m)
-            export_ray_metrics("coordinator", m)
-            if self.log is not None:
-                self.log.info("step", step=step, reward=round(m.get("reward_mean", 0), 3),
-                              accuracy=round(m.get("accuracy", 0), 3), eval=m.get("eval_accuracy"),
-                              time_s=round(m["time_step"], 1), trained=int(m.get("prompts_trained", 0)),
-                              dropped=int(m["prompts"] - m.get("prompts_trained", 0)))
+            self.report.step(step, m)
             self.step = step + 1
-            await self._assembler("forget_before", step - 2)
+            await self.assembler.forget_before(step - 2)
             self._forget_generated(step - 2)
             if cfg.time_budget_s and time.monotonic() - started > cfg.time_budget_s:
                 break
         if self.step > first and not (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):
             await self._rest_generators()
             await self.save_checkpoint(self.step - 1)
-        if self.metrics_logger is not None:
-            self.metrics_logger.close()  # flushes metrics.jsonl; wandb.finish() when W&B is on
-            self.metrics_logger = None
+        self.report.close()
         return {"steps": self.step, "version": self.version, "outcomes": count_outcomes(self.ledger.values()),
                 "ledger_size": len(self.ledger)}
 
@@ -386,15 +378,9 @@ class Coordinator(BoundedCalls, WeightSyncHandshake, Checkpointing):
         """Colocated, before the final checkpoint: the engines have no more work, so they sleep and the
         learner's save (which brings its offloaded optimizer state back to the device) never shares the
         device with a resident engine. Once: the run ends after it."""
-        if self.cfg.coordinator.mode == "colocated" and not getattr(self, "_generators_resting", False):
+        if self.cfg.coordinator.mode == "colocated" and not self._generators_resting:
             self._generators_resting = True
-            await self._all_generators("sleep", self.cfg.generator.sleep_level)
-
-    async def _log_eval(self, result: dict[str, float]) -> None:
-        if result and self.metrics_logger is not None:
-            self.metrics_logger.log_step(-1, result)
-        if result and self.log is not None:
-            self.log.info("eval", step=self.step, **{k: round(v, 3) for k, v in result.items()})
+            await self.generators.sleep(self.cfg.generator.sleep_level)
 
     def __repr__(self) -> str:  # the Ray dashboard's Repr column: live state
         cfg = getattr(self, "cfg", None)  # also called by Ray before __init__ finished

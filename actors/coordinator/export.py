@@ -28,7 +28,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from config import layout
+from config import RunConfig, layout
 
 SETTINGS_FILE = "arctic_rl.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -101,7 +101,7 @@ def write_atomic(path: str | Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def source_model_dir(cfg: Any, run_dir: str | Path) -> Path | None:
+def source_model_dir(cfg: RunConfig, run_dir: str | Path) -> Path | None:
     """The directory the run's model (and tokenizer) came from: the tiny build under the run, or model.path."""
     if cfg.model.source == "tiny":
         return layout.model_dir(run_dir)
@@ -117,12 +117,12 @@ def _fsync_tree(path: Path) -> None:
                 os.fsync(f.fileno())
 
 
-def prompt_style(cfg: Any) -> str:
+def prompt_style(cfg: RunConfig) -> str:
     """The training prompts' style: compact for the tiny model, omnisql otherwise (as launch.run renders)."""
     return "compact" if cfg.model.source == "tiny" else "omnisql"
 
 
-def inference_settings(cfg: Any, run_id: str = "", steps_done: int = 0) -> dict[str, Any]:
+def inference_settings(cfg: RunConfig, run_id: str = "", steps_done: int = 0) -> dict[str, Any]:
     """What an export records about how its run rendered prompts and sampled."""
     style = prompt_style(cfg)
     return {"prompt_style": style, "sample_values": int(cfg.data.sample_values),

@@ -1,8 +1,8 @@
 """The coordinator's weight-sync handshake: learner -> generators, and resyncing restarted generators.
 
-A mixin of `actors.coordinator.coordinator.Coordinator` (kept apart so the step loop reads on its own). It uses
-the coordinator's `cfg`, `learner`, `generators`, `version`, `log`, `_broadcast_rdv` and its bounded calls
-(actors/coordinator/bounds.py BoundedCalls).
+`WeightSync` is a component the coordinator holds (actors/coordinator/coordinator.py), built from what it
+uses: the coordinator's config section, the learner's and the generators' typed handles (actors/handles.py)
+and a log.
 
 Invariants:
 - The coordinator never touches tensors, and knows no transport's steps: it picks the transport from
@@ -11,71 +11,99 @@ Invariants:
   (Ray actor methods, or plain methods in tests), never by name. The transport checks every receiver
   reports the version it was sent.
 - A failed sync (a generator died mid-sync; Ray restarts it) is redone from bucket 0, a bounded
-  number of times with backoff; a collective transport's group (`_broadcast_rdv`, kept between
-  syncs) is rebuilt whole before the next attempt.
+  number of times with backoff; a collective transport's group (`group`, kept between syncs) is
+  rebuilt whole before the next attempt.
 - A generator Ray restarted (initial weights, or another version) gets the current version alone,
   through the object store (`weights.strategy.fallback`) when the transport is collective, while the
   others keep generating.
-- Every call is bounded (actors/coordinator/bounds.py): the health check by HEALTH_TIMEOUT_S (a
-  generator still restarting is tried again next round), every other call and each sync step of
-  either side by coordinator.call_timeout_s. A sync step past its bound is not redone: a frozen actor
-  does not thaw by retrying; ActorCallTimeout goes to the launcher like a death.
+- Every call is bounded (actors/handles.py): the health check by HEALTH_TIMEOUT_S (a generator still
+  restarting is tried again next round), every other call and each sync step of either side by
+  coordinator.call_timeout_s. A sync step past its bound is not redone: a frozen actor does not thaw by
+  retrying; ActorCallTimeout goes to the launcher like a death.
 """
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
-from actors.coordinator.bounds import bounded_verb, call_bound
-from actors.shell import ActorCallTimeout, await_within
-from weights.base import maybe_await
-from weights.protocol import Link, verb
+from actors.handles import GeneratorPool, LearnerHandle
+from actors.shell import ActorCallTimeout
+from config import CoordinatorConfig
+from weights.protocol import Link
 
 HEALTH_TIMEOUT_S = 2.0  # a generator's health answer; one still restarting (or frozen) is asked next round
 
 
-class WeightSyncHandshake:
-    """sync_weights / heal_generators / initial_sync for the Coordinator."""
+class WeightSync:
+    """sync / load / heal: the learner's weights into the generators."""
 
-    async def heal_generators(self, timeout_s: float = HEALTH_TIMEOUT_S) -> int:
+    def __init__(self, cfg: CoordinatorConfig, learner: LearnerHandle, generators: GeneratorPool, log: Any = None):
+        self.cfg, self.learner, self.generators, self.log = cfg, learner, generators, log
+        self.group = None  # nccl: the rendezvous of the group every generator joined
+        self.resyncs = 0  # generators resynced by heal (saved with the cursor)
+
+    async def heal(self, version: int, timeout_s: float = HEALTH_TIMEOUT_S) -> int:
         """Finds generators that lost their weights (restarted by Ray after a crash: initial
-        weights, or a version other than ours) and syncs the current version into them alone.
+        weights, or a version other than ours) and syncs `version` into them alone.
         Returns how many were resynced; a generator still restarting is tried next time."""
         async def check(g):
-            if not hasattr(g, "health"):
-                return False
             try:
-                h = await await_within(maybe_await(verb(g.health)()), timeout_s, f"{self.generator_label(g)}.health")
+                h = await self.generators.health(g, timeout_s)
             except Exception:  # noqa: BLE001 - still restarting: next round
                 return False
-            return bool(h["needs_weights"]) or int(h["version"]) != self.version
-        flags = await asyncio.gather(*(check(g) for g in self.generators))
-        lagging = [g for g, f in zip(self.generators, flags) if f]
+            return h is not None and (bool(h["needs_weights"]) or int(h["version"]) != version)
+        flags = await asyncio.gather(*(check(g) for g in self.generators.actors))
+        lagging = [g for g, f in zip(self.generators.actors, flags) if f]
         if not lagging:
             return 0
         if self.log is not None:
-            self.log.warning("resyncing restarted generators", count=len(lagging), version=self.version)
-        self.resyncs = getattr(self, "resyncs", 0) + len(lagging)
+            self.log.warning("resyncing restarted generators", count=len(lagging), version=version)
+        self.resyncs += len(lagging)
         try:
-            await self._all_generators("wake", ["weights"], targets=lagging)
-            await self.sync_weights(self.version, targets=lagging, attempts=1)
-            await self._all_generators("set_version", self.version, targets=lagging)
-            await self._all_generators("wake", ["kv_cache"], targets=lagging)
-            await self._all_generators("resume", targets=lagging)
+            await self.load(version, targets=lagging, attempts=1)
+            await self.generators.resume(targets=lagging)
         except Exception as e:  # noqa: BLE001 - it died again mid-sync: next round
             if self.log is not None:
                 self.log.warning("generator resync failed; retrying", error=str(e).splitlines()[0][:200])
             return 0
         return len(lagging)
 
-    async def sync_weights(self, version: int, targets: list | None = None, attempts: int = 5) -> float:
+    async def initial(self, version: int, warm_start_metrics: dict[str, float]) -> None:
+        """Before the first step. Colocated, the learner goes to sleep first (optimizer state to the host
+        where configured, its cache emptied), as it is between steps, so step 1 generates beside a sleeping
+        learner, not an awake one. After a warm start (which ran with colocated engines asleep) the
+        generators hold the initial weights: wake them (colocated: they slept through the warm start; async
+        engines never sleep, on GPUs of their own or sharing the learner's), give them `version`, let them
+        pull again."""
+        colocated = self.cfg.mode == "colocated"
+        if colocated:
+            await self.learner.sleep()
+        if not warm_start_metrics:
+            return
+        if self.log is not None:
+            self.log.info("warm-start done", **{k: round(v, 4) for k, v in warm_start_metrics.items()})
+        await self.load(version, wake=colocated)
+        await self.generators.resume()  # sleep paused them
+
+    async def load(self, version: int, targets: list | None = None, attempts: int = 5, wake: bool = True) -> None:
+        """Engines that dropped their weights (asleep at level 2, restarted, fresh) get `version`: wake their
+        weights (`wake`), sync, set the version, wake their KV cache (`wake`). They do not resume pulling."""
+        if wake:
+            await self.generators.wake(["weights"], targets=targets)
+        await self.sync(version, targets=targets, attempts=attempts)
+        await self.generators.set_version(version, targets=targets)
+        if wake:
+            await self.generators.wake(["kv_cache"], targets=targets)
+
+    async def sync(self, version: int, targets: list | None = None, attempts: int = 5) -> float:
         """Learner -> every generator (or `targets`), bucket by bucket; returns seconds taken.
         A sync that fails (a generator died mid-sync; Ray restarts it) is redone from bucket 0; one
         whose step ran past its bound (a frozen actor) is not."""
         start = time.perf_counter()
         for attempt in range(attempts):
             try:
-                await self._sync_once(version, self.generators if targets is None else targets)
+                await self._sync_once(version, self.generators.actors if targets is None else targets)
                 return time.perf_counter() - start
             except ActorCallTimeout:
                 raise
@@ -91,42 +119,17 @@ class WeightSyncHandshake:
     async def _sync_once(self, version: int, generators: list) -> None:
         from weights.strategy import fallback, transport_for
 
-        transport = transport_for(self.cfg.coordinator)
+        transport = transport_for(self.cfg)
         collective = not transport.per_bucket
         if collective and len(generators) < len(self.generators):
             # A collective needs every rank of the group: resyncing only some generators (a
-            # restarted one, from heal_generators) goes through the object store instead, so the
+            # restarted one, from heal) goes through the object store instead, so the
             # others keep generating. The next full sync rebuilds the group with the newcomer.
             transport, collective = fallback(), False
-        send = bounded_verb(verb(self.learner.send_weights), call_bound(self.cfg, "learner", "send_weights"),
-                            "learner.send_weights")
-        receivers = [bounded_verb(verb(g.receive_weights), call_bound(self.cfg, "generator", "receive_weights"),
-                                  f"{self.generator_label(g)}.receive_weights") for g in generators]
-        link = Link(send, receivers, group=self._broadcast_rdv if collective else None, log=self.log)
+        link = Link(self.learner.sender(), self.generators.receivers(generators),
+                    group=self.group if collective else None, log=self.log)
         try:
-            await transport.sync(link, version, self.cfg.coordinator.weight_bucket_mb)
+            await transport.sync(link, version, self.cfg.weight_bucket_mb)
         finally:
             if collective:
-                self._broadcast_rdv = link.group
-
-    async def initial_sync(self, warm_start_metrics: dict[str, float]) -> None:
-        """Before the first step. Colocated, the learner goes to sleep first (optimizer state to the host
-        where configured, its cache emptied), as it is between steps, so step 1 generates beside a sleeping
-        learner, not an awake one. After a warm start (which ran with colocated engines asleep) the
-        generators hold the initial weights: wake them (colocated: they slept through the warm start; async
-        engines never sleep, on GPUs of their own or sharing the learner's), give them version 0, let them
-        pull again."""
-        colocated = self.cfg.coordinator.mode == "colocated"
-        if colocated:
-            await self._learner("sleep")
-        if not warm_start_metrics:
-            return
-        if self.log is not None:
-            self.log.info("warm-start done", **{k: round(v, 4) for k, v in warm_start_metrics.items()})
-        if colocated:
-            await self._all_generators("wake", ["weights"])
-        await self.sync_weights(self.version)
-        await self._all_generators("set_version", self.version)
-        if colocated:
-            await self._all_generators("wake", ["kv_cache"])
-        await self._all_generators("resume")  # sleep paused them
+                self.group = link.group

@@ -32,6 +32,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from config import GeneratorConfig
 from queues.messages import PromptTask, RolloutGroup, unpack_ids
 
 
@@ -61,7 +62,7 @@ class SamplingSettings:
         return self.temperature == 0
 
 
-def resolve_sampling(generator_cfg: Any, task: PromptTask) -> SamplingSettings:
+def resolve_sampling(generator_cfg: GeneratorConfig, task: PromptTask) -> SamplingSettings:
     """Generator config merged with the task's overrides, checked (TaskError on a bad one)."""
     over = dict(task.sampling or {})
     unknown = sorted(set(over) - set(SAMPLING_KEYS))
@@ -124,6 +125,10 @@ class Engine(abc.ABC):
     def continue_interrupted(self) -> int:
         """Continues every parked request under the current weights; returns how many."""
         return 0
+
+    def enable_partial(self) -> None:
+        """Async mode with generator.partial_rollouts: switch to requests it can interrupt and resubmit where
+        the engine must (vLLM: streaming per-sample requests); a no-op for the others."""
 
     def num_workers(self) -> int:
         """Worker processes that hold this engine's weights (vLLM: one per tensor-parallel rank)."""
@@ -283,7 +288,7 @@ def check_wake_tags(tags: list[str] | None) -> list[str]:
     return list(tags)
 
 
-def set_visible_devices(device_ids: Any, generator_cfg: Any = None, environ: dict | None = None) -> str:
+def set_visible_devices(device_ids: Any, generator_cfg: GeneratorConfig | None = None, environ: dict | None = None) -> str:
     """CUDA_VISIBLE_DEVICES = the engine's node-local GPU ids (the placement's, as Ray reports them);
     call before anything initialises CUDA in this process. One-line ValueError naming `device_ids`."""
     import os
@@ -298,7 +303,7 @@ def set_visible_devices(device_ids: Any, generator_cfg: Any = None, environ: dic
     ids = [int(d) for d in device_ids]
     if len(set(ids)) != len(ids):
         raise ValueError(f"generator device_ids lists a GPU twice: {ids}")
-    tp = getattr(generator_cfg, "tensor_parallel_size", None)
+    tp = None if generator_cfg is None else generator_cfg.tensor_parallel_size
     if tp is not None and int(tp) != len(ids):
         raise ValueError(f"generator device_ids has {len(ids)} GPU(s), generator.tensor_parallel_size is {tp}")
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in ids)

@@ -40,18 +40,22 @@ import asyncio
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from actors.dtypes import torch_dtype
 from actors.engines.base import (
-    Engine, EngineAsleep, SamplingSettings, TaskError, prompt_ids, resolve_sampling,
+    Engine,
+    EngineAsleep,
+    SamplingSettings,
+    TaskError,
+    prompt_ids,
+    resolve_sampling,
 )
 from actors.engines.hf_decode import prefill, sample_tokens  # noqa: F401 - sample_tokens is this module's API too
 from actors.engines.hf_weights import WeightsMixin
+from config import GeneratorConfig, ModelConfig
 from queues.messages import PromptTask, RolloutGroup, Sample, pack_floats, pack_ids
-
 
 
 def resolve_device(device: str) -> torch.device:
@@ -84,14 +88,13 @@ class _Row:
 
 
 class TransformersEngine(WeightsMixin, Engine):
-    def __init__(self, generator_cfg: Any, model_cfg: Any, model_path: str):
+    def __init__(self, generator_cfg: GeneratorConfig, model_cfg: ModelConfig, model_path: str):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.cfg = generator_cfg
-        self.device = resolve_device(getattr(generator_cfg, "device", "auto"))
+        self.device = resolve_device(generator_cfg.device)
         self.dtype = torch_dtype(model_cfg.dtype)
-        trust = bool(getattr(model_cfg, "trust_remote_code", False))
-        local_only = not bool(getattr(model_cfg, "allow_download", False))
+        trust, local_only = model_cfg.trust_remote_code, not model_cfg.allow_download
         self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer or model_path, trust_remote_code=trust,
                                                        local_files_only=local_only)
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -107,9 +110,9 @@ class TransformersEngine(WeightsMixin, Engine):
         self._cache_kw = "cache" if "cache" in forward_params else "past_key_values"
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
         self.version = 0
-        self.max_batch_prompts = max(1, int(getattr(generator_cfg, "max_batch_prompts", 16)))
+        self.max_batch_prompts = max(1, generator_cfg.max_batch_prompts)
         self._torch_gen = torch.Generator(device=self.device)
-        self._torch_gen.manual_seed(int(getattr(generator_cfg, "seed", 0)))
+        self._torch_gen.manual_seed(generator_cfg.seed)
         # Unique parameters by canonical name; every alias (tied weights) maps to the same one.
         self._params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
         self._aliases: dict[str, str] = {}

@@ -7,12 +7,11 @@ Invariants:
 """
 from __future__ import annotations
 
-from typing import Any
-
 from actors.engines.base import Engine
+from config import GeneratorConfig, ModelConfig
 
 
-def make_engine(generator_cfg: Any, model_cfg: Any, model_path: str) -> Engine:
+def make_engine(generator_cfg: GeneratorConfig, model_cfg: ModelConfig, model_path: str) -> Engine:
     """The engine named by generator_cfg.engine ("vllm" | "transformers" | "simulated")."""
     kind = generator_cfg.engine
     if kind == "transformers":

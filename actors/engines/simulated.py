@@ -23,11 +23,12 @@ import time
 from typing import Any, Iterable
 
 from actors.engines.base import Engine, check_wake_tags, prompt_ids, resolve_sampling
+from config import GeneratorConfig, ModelConfig
 from queues.messages import PromptTask, RolloutGroup, Sample, pack_floats, pack_ids
 
 
 class SimulatedEngine(Engine):
-    def __init__(self, generator_cfg: Any, model_cfg: Any = None, model_path: str = "", *,
+    def __init__(self, generator_cfg: GeneratorConfig, model_cfg: ModelConfig | None = None, model_path: str = "", *,
                  mean_response_tokens: float = 1200.0, sigma: float = 0.6, tick_s: float = 0.02,
                  per_seq_s: float = 0.0001, prefill_s_per_token: float = 1e-5, max_concurrent_seqs: int = 256,
                  vocab_size: int = 32000, max_model_len: int = 32768, seed: int = 0):

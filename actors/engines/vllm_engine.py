@@ -29,7 +29,7 @@ Invariants:
 - Partial rollouts (async mode): after `enable_partial()` a group is n streaming requests that a
   weight update interrupts and resubmits with their tokens appended (actors/engines/vllm_partial.py).
 - vLLM is imported lazily; `VLLM_API` below lists every vLLM symbol and parameter this file
-  uses, and tests/test_vllm_adapter.py checks exactly that list against the installed vLLM.
+  uses, and tests/unit/test_vllm_adapter.py checks exactly that list against the installed vLLM.
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ from typing import Any, Iterable, Mapping
 
 from actors.engines.base import Engine, check_wake_tags, prompt_ids, resolve_sampling
 from actors.engines.vllm_partial import PartialRequests
+from config import GeneratorConfig, ModelConfig
 from queues.messages import PromptTask, RolloutGroup, Sample, pack_floats, pack_ids
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ def engine_arg_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(_sym("vllm.AsyncEngineArgs"))}
 
 
-def build_engine_args(generator_cfg: Any, model_cfg: Any, model_path: str, known_fields: set[str]) -> dict[str, Any]:
+def build_engine_args(generator_cfg: GeneratorConfig, model_cfg: ModelConfig, model_path: str, known_fields: set[str]) -> dict[str, Any]:
     """The AsyncEngineArgs keyword dict: ours, then the user's engine_kwargs over them.
     Raises ValueError naming any key vLLM's AsyncEngineArgs does not have."""
     args: dict[str, Any] = {
@@ -184,7 +185,7 @@ class VLLMEngine(PartialRequests, Engine):
     _sym_fn = staticmethod(_sym)
     _sample_fn = staticmethod(sample_from_completion)
 
-    def __init__(self, generator_cfg: Any, model_cfg: Any, model_path: str):
+    def __init__(self, generator_cfg: GeneratorConfig, model_cfg: ModelConfig, model_path: str):
         self.cfg = generator_cfg
         self.version = 0
         ensure_sampler_env()

@@ -28,16 +28,26 @@ from typing import Any
 import numpy as np
 
 from actors.engines.base import Engine, resolve_sampling
+from config import GeneratorConfig
 from policies import episode as ep
 from policies.sql_reward import extract_sql
-from queues.messages import PromptTask, RolloutGroup, Sample, episode_turn_id, pack_floats, pack_ids, unpack_floats, unpack_ids
+from queues.messages import (
+    PromptTask,
+    RolloutGroup,
+    Sample,
+    episode_turn_id,
+    pack_floats,
+    pack_ids,
+    unpack_floats,
+    unpack_ids,
+)
 
 
 class EpisodeRunner:
-    def __init__(self, engine: Engine, generator_cfg: Any, tokenizer: Any, executor: Any):
+    def __init__(self, engine: Engine, generator_cfg: GeneratorConfig, tokenizer: Any, executor: Any):
         self.engine, self.cfg, self.tokenizer, self.executor = engine, generator_cfg, tokenizer, executor
-        self.max_turns = int(generator_cfg.max_turns)
-        self.max_obs = int(generator_cfg.max_observation_tokens)
+        self.max_turns = generator_cfg.max_turns
+        self.max_obs = generator_cfg.max_observation_tokens
 
     async def generate(self, task: PromptTask) -> RolloutGroup:
         settings = resolve_sampling(self.cfg, task)  # TaskError on a bad override, as the engine would

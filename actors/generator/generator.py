@@ -34,6 +34,7 @@ from typing import Any, Iterable
 import structlog
 
 from actors.engines.base import Engine, EngineAsleep, TaskError
+from config import GeneratorConfig
 from queues.errors import one_line
 from queues.messages import Event, PromptTask, RolloutGroup, codec
 
@@ -49,7 +50,7 @@ CONSUME_BLOCK_MS = 20
 
 
 class Generator:
-    def __init__(self, engine: Engine, generator_cfg: Any, *, reclaim_idle_s: float = 30.0,
+    def __init__(self, engine: Engine, generator_cfg: GeneratorConfig, *, reclaim_idle_s: float = 30.0,
                  stream_high_water: int = 4096, consume_block_ms: int = CONSUME_BLOCK_MS, tokenizer: Any = None):
         self.engine = engine
         self.cfg = generator_cfg
@@ -172,7 +173,7 @@ class Generator:
         if self._first_start is None:
             self._first_start = queued_at
         try:
-            if int(getattr(self.cfg, "max_turns", 1)) > 1:
+            if self.cfg.max_turns > 1:
                 group = await self._episode_runner().generate(task)
             else:
                 group = await self.engine.generate(task)
@@ -194,9 +195,8 @@ class Generator:
     def _episode_runner(self):
         if self.episodes is None:
             from actors.generator.episode import EpisodeRunner
-            from tasks.executor import ToolExecutor
-
             from config import ScorerConfig
+            from tasks.executor import ToolExecutor
 
             c, scorer = self.cfg, ScorerConfig()  # 0 (a config built without validation): the scorer's defaults
             executor = ToolExecutor(workers=c.tool_workers, timeout_s=c.tool_timeout_s or scorer.timeout_s,
@@ -246,7 +246,7 @@ class Generator:
             return parked
         self._continue_parked()
         drained = lambda: not self._pulling and not self._inflight  # noqa: E731
-        timeout = float(getattr(self.cfg, "pause_timeout_s", 0.0) or 0.0) or None
+        timeout = float(self.cfg.pause_timeout_s) or None
         if not await self._wait_until(drained, timeout):
             # A hung request must not hang the run: abort what is in flight; each group comes back
             # aborted and is published as a failed group (error set), so its prompt is accounted for.

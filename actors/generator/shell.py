@@ -21,7 +21,7 @@ import structlog
 
 from actors.generator.generator import Generator
 from actors.shell import RESTARTABLE
-from config import RunContext
+from config import GeneratorConfig, ModelConfig, RunContext
 from observe.logs import setup_actor_logging
 
 log = structlog.get_logger("arctic_rl.generator")
@@ -34,7 +34,7 @@ class GeneratorShell:
     # serves nothing until synced, and its run() retried takes back the tasks it held).
     RAY_OPTIONS = {"max_concurrency": 256, **RESTARTABLE}
 
-    def __init__(self, generator_cfg: Any, ctx: RunContext | None = None, *, model_cfg: Any, model_path: str,
+    def __init__(self, generator_cfg: GeneratorConfig, ctx: RunContext | None = None, *, model_cfg: ModelConfig, model_path: str,
                  generator_id: str = "generator-0", colocated: bool = False, device_ids: list[int] | None = None):
         from actors.engines.base import DeferredEngine, set_visible_devices
         from actors.engines.registry import make_engine
@@ -52,11 +52,11 @@ class GeneratorShell:
         self.reconstructed = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         if self.reconstructed and colocated:
             # The learner may be training on our GPU right now: build the engine only when the
-            # coordinator wakes us (heal_generators during generation, or the step's wake).
+            # coordinator wakes us (WeightSync.heal during generation, or the step's wake).
             engine = DeferredEngine(lambda: make_engine(generator_cfg, model_cfg, model_path))
         else:
             engine = make_engine(generator_cfg, model_cfg, model_path)
-        if not colocated and getattr(generator_cfg, "partial_rollouts", False) and hasattr(engine, "enable_partial"):
+        if not colocated and generator_cfg.partial_rollouts:
             engine.enable_partial()  # vLLM: streaming per-sample requests it can interrupt and resubmit
         self.gen = Generator(engine, generator_cfg, reclaim_idle_s=self.ctx.reclaim_idle_s,
                              stream_high_water=self.ctx.stream_high_water)

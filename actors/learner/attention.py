@@ -28,8 +28,13 @@ from typing import Any
 
 import torch
 
-from policies.packing import (FLASH_ATTENTION_IMPLS, FLEX, VARLEN, expresses_shared_prefix,  # noqa: F401
-                              needs_dense_mask)  # (re-exported)
+from policies.packing import (  # noqa: F401
+    FLASH_ATTENTION_IMPLS,
+    FLEX,
+    VARLEN,
+    expresses_shared_prefix,
+    needs_dense_mask,  # (re-exported)
+)
 
 
 def torch_varlen_available() -> bool:
@@ -133,6 +138,7 @@ def varlen_call_style(parameters: tuple[str, ...]) -> tuple[str, bool]:
 
 def _torch_varlen(q, k, v, cu: torch.Tensor, max_len: int, scale: float | None) -> torch.Tensor:
     import inspect
+
     from torch.nn.attention.varlen import varlen_attn
 
     causal, native_gqa = varlen_call_style(tuple(inspect.signature(varlen_attn).parameters))

@@ -25,9 +25,14 @@ from typing import Any, Iterator
 import structlog
 import torch
 
-from actors.learner import attention, attention_flex
 from actors.dtypes import torch_dtype
-from actors.learner.logprob_head import LogProbHead, apply_liger_kernels, limit_checkpointed_layers, restore_rotary_buffers
+from actors.learner import attention, attention_flex
+from actors.learner.logprob_head import (
+    LogProbHead,
+    apply_liger_kernels,
+    limit_checkpointed_layers,
+    restore_rotary_buffers,
+)
 from actors.learner.optimizer_offload import OptimizerStateOffload, offload_optimizer, reload_optimizer
 from config import LearnerConfig, ModelConfig
 from policies.packing import PackedBatch

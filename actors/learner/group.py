@@ -9,7 +9,8 @@ Invariants:
   and the process group's timeouts, and `joined` waits at most `timeout_s` for the ranks to join.
 - Every method the coordinator and the launcher call is an `async def` that fans out to every rank
   that must take part (collectives: every rank; the stream, the step ledger: rank 0 only) and
-  returns rank 0's result. The coordinator's `call()` awaits it like an actor method.
+  returns rank 0's result. The coordinator's LearnerHandle (actors/handles.py) awaits it like an actor
+  method. A rank's method is named by attribute (`lambda r: r.sleep`), never by a string.
 - Every rank's call is bounded: `call_timeout_s` (coordinator.call_timeout_s), a training step's by
   `train_timeout_s` (coordinator.step_timeout_s), taking the batch by its own wait plus call_timeout_s.
   A rank past its bound (frozen: alive to Ray, silent) raises ActorCallTimeout naming the method and
@@ -29,9 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any, Callable
 
 import structlog
 
+from actors.handles import method_name
 from actors.shell import ActorCallTimeout
 from config import CoordinatorConfig
 
@@ -100,10 +103,10 @@ class LearnerGroup:
 
     # ------------------------------------------------------------------ fan-out helpers
 
-    async def _gather(self, method: str, calls: list, bound_s: float | None = None) -> list:
+    async def _gather(self, what: str, calls: list, bound_s: float | None = None) -> list:
         """The results of `calls` ((rank, ObjectRef) pairs) in order. The first error raised ends the
         wait (raised as is); ranks still silent after `bound_s` (call_timeout_s) are named in an
-        ActorCallTimeout."""
+        ActorCallTimeout, with `what` (the call: the rank method's name, or the step's phase)."""
         timeout_s = self.call_timeout_s if bound_s is None else bound_s
         futures = [asyncio.ensure_future(_awaited(ref)) for _, ref in calls]
         try:
@@ -117,69 +120,71 @@ class LearnerGroup:
                 raise f.exception()
         if pending:
             silent = [rank for (rank, _), f in zip(calls, futures) if f in pending]
-            raise ActorCallTimeout.of(f"learner.{method} on rank(s) {silent} of {self.world_size}", timeout_s)
+            raise ActorCallTimeout.of(f"learner.{what} on rank(s) {silent} of {self.world_size}", timeout_s)
         return [f.result() for f in futures]
 
-    async def _all(self, method: str, *args, **kwargs) -> list:
-        return await self._gather(method, [(i, getattr(r, method).remote(*args, **kwargs))
-                                           for i, r in enumerate(self.ranks)])
+    async def _all(self, pick: Callable[[Any], Any], *args) -> list:
+        """`pick(rank)` (one of the rank actor's methods, `lambda r: r.sleep`) called on every rank."""
+        return await self._gather(method_name(pick(self.ranks[0])),
+                                  [(i, pick(r).remote(*args)) for i, r in enumerate(self.ranks)])
 
-    async def _rank0(self, method: str, *args, bound_s: float | None = None):
-        return (await self._gather(method, [(0, getattr(self.ranks[0], method).remote(*args))], bound_s))[0]
+    async def _rank0(self, pick: Callable[[Any], Any], *args, bound_s: float | None = None):
+        method = pick(self.ranks[0])
+        return (await self._gather(method_name(method), [(0, method.remote(*args))], bound_s))[0]
 
     # ------------------------------------------------------------------ what the coordinator calls
 
     async def connect(self) -> None:
         """Rank 0 connects to the run's batches stream (its RunContext's Redis URL)."""
-        await self._rank0("connect")
+        await self._rank0(lambda r: r.connect)
 
     async def train_from_stream(self, step: int, timeout_s: float = 600.0) -> dict:
         """Trains every rank on the batch for `step` (read by rank 0); rank 0 acks it afterwards."""
         if self.world_size == 1:
-            return await self._rank0("train_from_stream", step, timeout_s,
+            return await self._rank0(lambda r: r.train_from_stream, step, timeout_s,
                                      bound_s=timeout_s + self.train_timeout_s + self.call_timeout_s)
-        shared = await self._rank0("take_batch", step, timeout_s,  # [ObjectRef of the batch bytes]
+        shared = await self._rank0(lambda r: r.take_batch, step, timeout_s,  # [ObjectRef of the batch bytes]
                                    bound_s=timeout_s + self.call_timeout_s)
         outs = await self._gather("train_step", [(0, self.ranks[0].train_taken.remote())] +
                                   [(i, r.train_bytes.remote(shared[0])) for i, r in enumerate(self.ranks) if i],
                                   self.train_timeout_s)
-        return await self._rank0("finish_taken", outs[0])
+        return await self._rank0(lambda r: r.finish_taken, outs[0])
 
     async def sft_step(self, pairs, lr=None) -> float:
-        return (await self._all("sft_step", pairs, lr))[0]
+        return (await self._all(lambda r: r.sft_step, pairs, lr))[0]
 
     async def sft_steps(self, chunks, lr=None) -> dict:
         """Many warm-start steps in one call per rank (each rank loops; every step's collectives pair up
         as in `sft_step`): rank 0's {"losses", "seconds"}."""
-        return (await self._all("sft_steps", chunks, lr))[0]
+        return (await self._all(lambda r: r.sft_steps, chunks, lr))[0]
 
     async def sleep(self) -> None:
-        await self._all("sleep")
+        await self._all(lambda r: r.sleep)
 
     async def wake(self) -> None:
-        await self._all("wake")
+        await self._all(lambda r: r.wake)
 
     async def save(self, path: str) -> str:
-        return (await self._all("save", path))[0]
+        return (await self._all(lambda r: r.save, path))[0]
 
     async def load(self, path: str) -> int:
-        steps = await self._all("load", path)
+        steps = await self._all(lambda r: r.load, path)
         if len(set(steps)) != 1:
             raise RuntimeError(f"learner ranks resumed at different steps {steps} from {path}")
         return steps[0]
 
     async def export_hf(self, path: str) -> str:
-        return (await self._all("export_hf", path))[0]
+        return (await self._all(lambda r: r.export_hf, path))[0]
 
     async def memory(self) -> dict:
         """Rank 0's device memory (GiB, peaks since the last call; {} on CPU)."""
-        return await self._rank0("memory")
+        return await self._rank0(lambda r: r.memory)
 
     async def get_step(self) -> int:
-        return await self._rank0("get_step")
+        return await self._rank0(lambda r: r.get_step)
 
     async def pid(self) -> int:
-        return await self._rank0("pid")
+        return await self._rank0(lambda r: r.pid)
 
     async def send_weights(self, call):
         """One step of a weight sync: to the ranks the transport names, their replies made one."""
@@ -187,7 +192,8 @@ class LearnerGroup:
 
         transport = get_transport(call.key.kind)
         plan = transport.fan_out(call, self.world_size, self.zero_stage)
-        replies = await self._gather("send_weights", [(rank, self.ranks[rank].send_weights.remote(c)) for rank, c in plan])
+        replies = await self._gather(method_name(self.ranks[0].send_weights),
+                                     [(rank, self.ranks[rank].send_weights.remote(c)) for rank, c in plan])
         return transport.merge(call, replies)
 
 

@@ -22,7 +22,7 @@ import os
 
 import structlog
 
-from config import RunContext
+from config import LearnerConfig, ModelConfig, RunContext
 from observe.logs import setup_actor_logging
 from queues.messages import TrainBatch
 
@@ -38,8 +38,9 @@ class LearnerShell:
 
     RAY_OPTIONS = {"max_concurrency": 4}  # weight-sync and stats calls beside a training step
 
-    def __init__(self, learner_cfg, ctx: RunContext | None = None, *, model_cfg, model_path: str, total_steps: int,
-                 micro_batch_tokens: int, temperature: float = 1.0, rank: int = 0, world_size: int = 1):
+    def __init__(self, learner_cfg: LearnerConfig, ctx: RunContext | None = None, *, model_cfg: ModelConfig,
+                 model_path: str, total_steps: int, micro_batch_tokens: int, temperature: float = 1.0, rank: int = 0,
+                 world_size: int = 1):
         import torch
 
         from actors.learner.learner import Learner

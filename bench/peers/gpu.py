@@ -24,7 +24,7 @@ What runs, in one process that needs torch and transformers only to build the in
    as the recipe, the importance-sampling correction truncated at the recipe's correction_cap, MICRO rows
    a forward/backward).
 Each side's whole process tree is sampled every 0.5 s (RSS, PSS: bench/peers/tree.py) and the device's memory
-every 200 ms (bench/gpu_recipe.py's MemorySampler: nvidia-smi, nothing on CPU). Each side is bounded by
+every 200 ms (bench/gpu/recipe.py's MemorySampler: nvidia-smi, nothing on CPU). Each side is bounded by
 SIDE_TIMEOUT_S and the whole by BUDGET_S: a side that would not fit is skipped and named.
 
 $OUT (rewritten after each side; at most the device tool's 8 files): peers_gpu.md (the table, the ratios, the
@@ -115,7 +115,7 @@ def prepare(cfg) -> tuple[Path, list[dict]]:
 
 
 def side_env(trl: bool) -> dict[str, str]:
-    from bench.gpu_recipe import device_env
+    from bench.gpu.recipe import device_env
 
     env = device_env()
     if trl:
@@ -138,7 +138,7 @@ def measured(name: str, t: TreeRun, mem: list[tuple[float, float]], samples_per_
 
 
 def run_ours(shared: Path, samples_per_step: int, timeout_s: float) -> dict:
-    from bench.gpu_recipe import MemorySampler
+    from bench.gpu.recipe import MemorySampler
     from config import layout
 
     run_dir = RUN_ROOT / "ours"
@@ -173,7 +173,7 @@ def trl_python() -> str:
 
 
 def run_trl(shared: Path, prompts: list[dict], cfg, samples_per_step: int, timeout_s: float) -> dict:
-    from bench.gpu_recipe import MemorySampler
+    from bench.gpu.recipe import MemorySampler
     from config import layout
 
     out = RUN_ROOT / "trl"

@@ -1,4 +1,4 @@
-"""A FAKE of vLLM's offline `LLM` for the CPU tests of bench/peers' TRL side (tests/test_peers_gpu.py): TRL's
+"""A FAKE of vLLM's offline `LLM` for the CPU tests of bench/peers' TRL side (tests/integration/test_peers_gpu.py): TRL's
 GRPOTrainer in vllm_mode="colocate" drives it exactly as it drives vLLM (build, sleep/wake, load_weights
 through llm_engine.model_executor.driver_worker.model_runner.model, reset_prefix_cache, generate with token-id
 prompts), while a transformers model on the CPU samples. vLLM itself needs a GPU, which the tests do not have.
