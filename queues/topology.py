@@ -69,13 +69,15 @@ ASSEMBLED = HashSpec("assembled", owner="assembler", holds="step -> its outcomes
 
 
 def redis_cli(run_id: str = "<run_id>", cli: str = "redis-cli") -> list[str]:
-    """The redis-cli lines that show a run's queues, each with what it shows."""
-    return [
-        f"{cli} XLEN {ROLLOUTS.key(run_id)}  # entries kept (acked ones too, until trimmed)",
-        f"{cli} XINFO GROUPS {ROLLOUTS.key(run_id)}  # consumers, pending, lag (= queue depth)",
-        f"{cli} XPENDING {SCORED.key(run_id)} {SCORED.group}  # delivered, not yet acked",
-        f"{cli} HKEYS {ASSEMBLED.key(run_id)}  # steps the {ASSEMBLED.owner} has assembled",
+    """The redis-cli lines that show a run's queues, each with what it shows (docs/guide/operate.md
+    holds them for `cli="redis-cli -s $S"`; tests/unit/test_topology.py keeps the two equal)."""
+    rows = [
+        (f"XLEN {ROLLOUTS.key(run_id)}", "entries kept (acked ones too, until trimmed)"),
+        (f"XINFO GROUPS {ROLLOUTS.key(run_id)}", "consumers, pending, lag (= queue depth)"),
+        (f"XPENDING {SCORED.key(run_id)} {SCORED.group}", "delivered, not yet acked"),
+        (f"HKEYS {ASSEMBLED.key(run_id)}", f"steps the {ASSEMBLED.owner} has assembled"),
     ]
+    return [f"{cli + ' ' + command:<58} # {what}" for command, what in rows]
 
 
 def describe(run_id: str = "<run_id>") -> list[str]:
@@ -86,5 +88,10 @@ def describe(run_id: str = "<run_id>") -> list[str]:
     return rows + [""] + redis_cli(run_id)
 
 
+def main(argv: list[str]) -> None:
+    """`python -m queues.topology [RUN_ID]`: the table and the redis-cli lines for that run."""
+    print("\n".join(describe(*argv[:1])))
+
+
 if __name__ == "__main__":
-    print("\n".join(describe(*sys.argv[1:2])))
+    main(sys.argv[1:])

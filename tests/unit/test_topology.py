@@ -1,7 +1,5 @@
 """queues.topology: the run's streams declared once, and every stage opening its streams by them (no Redis)."""
 import ast
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,11 +15,12 @@ from queues.topology import (
     SCORED,
     STREAMS,
     describe,
+    main,
     redis_cli,
     run_key,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUNTIME = ("actors", "launch", "queues", "weights", "tasks", "policies", "observe", "config")
 
 
@@ -43,14 +42,15 @@ def test_a_stream_opened_by_its_spec_takes_its_group_and_a_bare_name_is_refused_
         conn.stream("rollouts")
 
 
-def test_the_redis_cli_lines_name_the_topology_s_keys():
+def test_the_redis_cli_lines_name_the_topology_s_keys(capsys):
     lines = redis_cli("r1", cli="redis-cli -s $S")
     assert lines[0].startswith(f"redis-cli -s $S XLEN {ROLLOUTS.key('r1')}")
     assert f"XPENDING {SCORED.key('r1')} {SCORED.group}" in lines[2] and ASSEMBLED.key("r1") in lines[3]
-    out = subprocess.run([sys.executable, "-m", "queues.topology", "r1"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0 and out.stdout.splitlines() == describe("r1")
-    assert BATCHES.key("r1") in out.stdout
+    guide = (ROOT / "docs" / "guide" / "operate.md").read_text().splitlines()
+    assert all(f"    {line}" in guide for line in redis_cli(cli="redis-cli -s $S"))  # the guide's lines are these
+    main(["r1"])  # python -m queues.topology r1
+    out = capsys.readouterr().out
+    assert out.splitlines() == describe("r1") and BATCHES.key("r1") in out
 
 
 def test_no_stream_name_is_written_outside_the_topology():
