@@ -105,13 +105,20 @@ class GeneratorPool:
         try:
             return await bounded(method, bound_s, label, *args)
         except ActorCallTimeout as e:
-            if not self.restart(g):
+            if not self.restart_in_place(g, method_name(method), str(e)):
                 raise
-            self.frozen_restarts += 1
-            if self.log is not None:
-                self.log.warning("generator frozen past its bound: restarted in place", generator=label,
-                                 call=method_name(method), error=str(e))
         return await bounded(method, bound_s + self.control_s, label, *args)
+
+    def restart_in_place(self, g: Any, call: str, error: str,
+                         event: str = "generator frozen past its bound: restarted in place") -> bool:
+        """Restarts `g` in place (`restart`), counted in `frozen_restarts`, with one warning naming it, the call
+        and why; False, and nothing done, where this pool restarts nothing (the launcher's)."""
+        if not self.restart(g):
+            return False
+        self.frozen_restarts += 1
+        if self.log is not None:
+            self.log.warning(event, generator=self.label(g), call=call, error=error)
+        return True
 
     async def _each(self, pick: Callable[[Any], Any], bound_s: float, *args: Any, targets: list | None = None) -> list:
         """`pick(g)` (one of g's methods) called on every generator (or `targets`) at once, each bounded."""

@@ -37,6 +37,7 @@ read by the one consumer loop (queues.worker.Worker).
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -176,6 +177,7 @@ class Coordinator:
             return {}
         start = time.perf_counter()
         timeout = self.cfg.coordinator.step_timeout_s
+        self.report.phase(self.step, "evaluating", version=self.version)
         greedy_ids = await self._publish(eval_tasks(self.eval_items, self.step, self.version, "g", 1, {"temperature": 0.0}))
         sampled_ids = []
         if self.cfg.data.eval_samples > 0:  # held-out reward at the training temperature
@@ -192,6 +194,7 @@ class Coordinator:
             result["eval_reward_mean"] = sampled["eval_reward_mean"]
             result["eval_sample_accuracy"] = sampled["eval_sample_accuracy"]
         result["time_eval"] = time.perf_counter() - start
+        self.report.phase(self.step, "evaluated", s=round(result["time_eval"], 3))
         return result
 
     async def queue_depths(self) -> dict[str, float]:
@@ -228,6 +231,7 @@ class Coordinator:
             task_ids, m["prompts_replacement"] = await self._top_up(step, task_ids)
             last_generated = await self._wait_generated(task_ids, cfg.coordinator.step_timeout_s)
         gen_done = time.perf_counter()
+        self.report.phase(step, "generated", missing=sum(t not in self._generated for t in task_ids))
         m["time_generation"] = gen_done - t0
         if colocated:
             t = time.perf_counter()
@@ -247,11 +251,13 @@ class Coordinator:
         self.ledger.update(result["outcomes"])
         m.update(result["metrics"])
         trained = result["published"]
+        self.report.phase(step, "collected", published=trained)
         if trained:
             t = time.perf_counter()
             train_metrics = await self.learner.train_from_stream(step)
             m["time_training"] = time.perf_counter() - t
             m.update({f"train_{k}" if not k.startswith("train_") else k: v for k, v in train_metrics.items()})
+            self.report.phase(step, "trained", s=round(m["time_training"], 3))
         else:
             m["time_training"] = 0.0
             m["skipped_update"] = 1.0
@@ -269,9 +275,11 @@ class Coordinator:
             parked = await self.generators.pause(cfg.generator.partial_rollouts)
             m["time_generator_pause"] = time.perf_counter() - t
             m["interrupted_requests"] = float(sum(p or 0 for p in parked))
+            self.report.phase(step, "paused", parked=m["interrupted_requests"])
         if trained:
             m["time_weight_sync"] = await self.weights.sync(self.version + 1)
             self.version += 1
+            self.report.phase(step, "synced", version=self.version, s=round(m["time_weight_sync"], 3))
         elif colocated and cfg.generator.sleep_level == 2:
             # Level 2 dropped the engine's weights: give back the unchanged ones.
             m["time_weight_sync"] = await self.weights.sync(self.version)
@@ -281,6 +289,7 @@ class Coordinator:
             await self.generators.wake(["kv_cache"])
             m["time_generator_wake_kv"] = time.perf_counter() - t
         await self.generators.resume()  # sleep and pause both stop pulling
+        self.report.phase(step, "resumed", version=self.version)
         m["time_step"] = time.perf_counter() - t0
         m["policy_version"] = float(self.version)
         tokens = m.get("train_num_tokens", 0.0)  # the learner's packed tokens of the step
@@ -368,8 +377,10 @@ class Coordinator:
             if cfg.time_budget_s and time.monotonic() - started > cfg.time_budget_s:
                 break
         if self.step > first and not (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):
+            self.report.phase(self.step - 1, "final checkpoint")
             await self._rest_generators()
             await self.save_checkpoint(self.step - 1)
+        self.report.phase(self.step - 1, "loop done")
         self.report.close()
         return {"steps": self.step, "version": self.version, "outcomes": count_outcomes(self.ledger.values()),
                 "ledger_size": len(self.ledger)}
@@ -392,8 +403,6 @@ class Coordinator:
         self._stop = True
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
 
     def get_ledger(self) -> dict[str, str]:

@@ -3,6 +3,7 @@
 Invariants:
 - Every value reported is a scalar (a step's metrics are a flat dict of floats).
 - Nothing is kept: a step's metrics are written and forgotten (tests/test_memory_bounds.py).
+- Each phase of a step's handshake and of the run's end is one `phase` line in the coordinator's log.
 - The metrics file is opened inside the actor (`attach`: the launcher asks once it is placed) and closed
   (flushed, wandb.finish() when W&B is on) when the run's loop ends.
 """
@@ -41,6 +42,12 @@ class StepReport:
                           accuracy=round(m.get("accuracy", 0), 3), eval=m.get("eval_accuracy"),
                           time_s=round(m["time_step"], 1), trained=int(m.get("prompts_trained", 0)),
                           dropped=int(m["prompts"] - m.get("prompts_trained", 0)))
+
+    def phase(self, step: int, phase: str, **kw: Any) -> None:
+        """One line in the coordinator's log as a step's handshake or the run's end passes a phase: when a
+        run stops answering, its last line names what was waited for next (the GPU run of 2026-12-05)."""
+        if self.log is not None:
+            self.log.info("phase", step=step, phase=phase, **kw)
 
     def eval(self, step: int, result: dict[str, float]) -> None:
         """An evaluation before any step (after one, its metrics join the step's)."""

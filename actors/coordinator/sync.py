@@ -20,6 +20,15 @@ Invariants:
   restarting is tried again next round), every other call and each sync step of either side by
   coordinator.call_timeout_s. A sync step past its bound is not redone: a frozen actor does not thaw by
   retrying; ActorCallTimeout goes to the launcher like a death.
+- A generator's silence is never silent here, nor unbounded: the first health check it does not answer
+  (Ray restarting it after its process died, frozen, or overloaded) is a warning naming it and the error,
+  its answer again an info line with how long it was silent. Silent past coordinator.call_timeout_s it is
+  restarted in place once (GeneratorPool.restart_in_place, the frozen path); silent past twice that again,
+  heal raises ActorCallTimeout naming `generator-<i>.health`, which ends the run as a death does. (The GPU
+  run of 2026-12-05: the engine's memory went 15 s after the last async sync, mid-evaluation, and the
+  coordinator then waited 39 s with nothing logged.)
+- A generator whose engine died under it (vLLM's engine core: health's `engine_dead`) is restarted in place,
+  with a warning naming it and the engine's error: left alone it would fail every group it takes.
 """
 from __future__ import annotations
 
@@ -30,6 +39,7 @@ from typing import Any
 from actors.handles import GeneratorPool, LearnerHandle
 from actors.shell import ActorCallTimeout
 from config import CoordinatorConfig
+from queues.errors import one_line
 from weights.protocol import Link
 
 HEALTH_TIMEOUT_S = 2.0  # a generator's health answer; one still restarting (or frozen) is asked next round
@@ -42,6 +52,7 @@ class WeightSync:
         self.cfg, self.learner, self.generators, self.log = cfg, learner, generators, log
         self.group = None  # nccl: the rendezvous of the group every generator joined
         self.resyncs = 0  # generators resynced by heal (saved with the cursor)
+        self._silence: dict[str, list] = {}  # generator label -> [silent since (monotonic), restarted in place]
 
     async def heal(self, version: int, timeout_s: float = HEALTH_TIMEOUT_S) -> int:
         """Finds generators that lost their weights (restarted by Ray after a crash: initial
@@ -50,9 +61,16 @@ class WeightSync:
         async def check(g):
             try:
                 h = await self.generators.health(g, timeout_s)
-            except Exception:  # noqa: BLE001 - still restarting: next round
+            except Exception as e:  # noqa: BLE001 - still restarting (or frozen): said, bounded, next round
+                self._silent(g, e)
                 return False
-            return h is not None and (bool(h["needs_weights"]) or int(h["version"]) != version)
+            self._answered(g)
+            if h is None:
+                return False
+            if h.get("engine_dead"):
+                self._engine_dead(g, str(h["engine_dead"]))
+                return False
+            return bool(h["needs_weights"]) or int(h["version"]) != version
         flags = await asyncio.gather(*(check(g) for g in self.generators.actors))
         lagging = [g for g, f in zip(self.generators.actors, flags) if f]
         if not lagging:
@@ -68,6 +86,36 @@ class WeightSync:
                 self.log.warning("generator resync failed; retrying", error=str(e).splitlines()[0][:200])
             return 0
         return len(lagging)
+
+    def _silent(self, g: Any, error: BaseException) -> None:
+        """A health check `g` did not answer: a warning the first time, a restart in place past
+        coordinator.call_timeout_s of silence, ActorCallTimeout past twice that again (module invariant)."""
+        label, now = self.generators.label(g), time.monotonic()
+        entry = self._silence.get(label)
+        if entry is None:
+            self._silence[label] = entry = [now, False]
+            if self.log is not None:
+                self.log.warning("generator not answering its health call (restarting, frozen or dead)",
+                                 generator=label, call="health", error=one_line(error))
+        silent, bound = now - entry[0], self.generators.control_s * (2 if entry[1] else 1)
+        if silent <= bound:
+            return
+        timeout = ActorCallTimeout.of(f"{label}.health", round(silent, 1))
+        if not entry[1] and self.generators.restart_in_place(g, "health", str(timeout)):
+            entry[:] = [now, True]
+            return
+        raise timeout
+
+    def _answered(self, g: Any) -> None:
+        label = self.generators.label(g)
+        entry = self._silence.pop(label, None)
+        if entry is not None and self.log is not None:
+            self.log.info("generator answering again", generator=label, silent_s=round(time.monotonic() - entry[0], 1),
+                          restarted_in_place=entry[1])
+
+    def _engine_dead(self, g: Any, error: str) -> None:
+        if not self.generators.restart_in_place(g, "health", error, event="generator's engine died: restarted in place"):
+            raise RuntimeError(f"{self.generators.label(g)}: its engine died ({error}) and it cannot be restarted here")
 
     async def initial(self, version: int, warm_start_metrics: dict[str, float]) -> None:
         """Before the first step. Colocated, the learner goes to sleep first (optimizer state to the host

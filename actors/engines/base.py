@@ -25,6 +25,8 @@ Invariants:
 - A task the engine cannot run (empty prompt, prompt too long for the model, n < 1, bad
   override) raises `TaskError` with a one-line message; the generator turns it into an error
   group and keeps serving.
+- `dead()` says, in one line, why an engine can serve nothing more (vLLM's engine core process died
+  under it), else None: the generator's health reports it and the coordinator restarts the generator.
 """
 from __future__ import annotations
 
@@ -177,6 +179,10 @@ class Engine(abc.ABC):
         holds none (CPU, simulated)."""
         return {}
 
+    def dead(self) -> str | None:
+        """Why this engine can serve nothing more (module invariant), or None while it can."""
+        return None
+
 
 class DeferredEngine(Engine):
     """An engine not built until its first wake(): what a colocated generator that Ray restarted
@@ -277,6 +283,9 @@ class DeferredEngine(Engine):
 
     async def memory(self) -> dict[str, float]:
         return await self.engine.memory() if self.engine is not None else {}
+
+    def dead(self) -> str | None:
+        return self.engine.dead() if self.engine is not None else None
 
 
 def check_wake_tags(tags: list[str] | None) -> list[str]:

@@ -68,6 +68,7 @@ VLLM_API: list[tuple[str, tuple[str, ...]]] = [
     ("vllm.v1.engine.async_llm.AsyncLLM.collective_rpc", ("method", "timeout", "args")),
     ("vllm.v1.engine.async_llm.AsyncLLM.reset_prefix_cache", ()),
     ("vllm.v1.engine.async_llm.AsyncLLM.shutdown", ()),
+    ("vllm.v1.engine.async_llm.AsyncLLM.errored", ()),
 ]
 
 
@@ -307,6 +308,15 @@ class VLLMEngine(PartialRequests, Engine):
         """Its first worker's view (actors/device_memory.py; the device's use is the whole GPU's)."""
         stats = await self._rpc("arl_memory", True, timeout=60.0, timed=False)
         return dict(stats[0]) if stats else {}
+
+    def dead(self) -> str | None:
+        """AsyncLLM.errored: its engine core process died (or its output handler ended); every request
+        after that fails at once with EngineDeadError."""
+        try:
+            errored = bool(self.llm.errored)
+        except Exception as e:  # noqa: BLE001 - a client torn down under us is as dead
+            return f"vLLM engine: AsyncLLM.errored raised {type(e).__name__}: {str(e)[:200]}"
+        return "vLLM engine: its engine core died (AsyncLLM.errored)" if errored else None
 
     async def close(self) -> None:
         self.llm.shutdown()

@@ -238,11 +238,17 @@ class Generator:
         self._resumed.clear()
         self._notify()
         if interrupt and self.engine.supports_partial:
-            await self._wait_until(lambda: not self._pulling)
+            t0 = time.perf_counter()
+            # The read under way returns within the worker's read bound; the pause's own bound covers a stuck one.
+            if not await self._wait_until(lambda: not self._pulling, float(self.cfg.pause_timeout_s) or None):
+                raise TimeoutError(f"generator {self.generator_id}: its read of the prompts stream did not end within "
+                                   f"generator.pause_timeout_s={self.cfg.pause_timeout_s:g} s of the pause")
             parked = await self.engine.interrupt()
             self._m["interrupts"] += 1
             self._m["interrupted_requests"] += parked
             self._interrupted = True
+            log.info("generator.interrupted", generator_id=self.generator_id, parked=parked,
+                     inflight=len(self._inflight), s=round(time.perf_counter() - t0, 3))
             return parked
         self._continue_parked()
         drained = lambda: not self._pulling and not self._inflight  # noqa: E731
@@ -264,7 +270,8 @@ class Generator:
     def _continue_parked(self) -> None:
         if self._interrupted:
             self._interrupted = False
-            self.engine.continue_interrupted()
+            continued = self.engine.continue_interrupted()
+            log.info("generator.continued", generator_id=self.generator_id, parked=continued, version=self.engine.version)
 
     def resume(self) -> None:
         self._bind()
@@ -299,7 +306,10 @@ class Generator:
         await self.engine.load_weights(named_tensors, version)
 
     async def finish_weight_update(self, version: int) -> None:
+        t0 = time.perf_counter()
         await self.engine.finish_weight_update(version)
+        log.info("generator.weights_updated", generator_id=self.generator_id, version=int(version),
+                 s=round(time.perf_counter() - t0, 3), inflight=len(self._inflight))
 
     def set_version(self, version: int) -> None:
         """For syncs that bypass load_weights: from now on groups carry `version`."""

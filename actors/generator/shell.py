@@ -10,7 +10,10 @@ Invariants:
   transport (weights.endpoint.ReceiveEnd): the transport decides what reaches the engine (messages
   as they came when its weights live in its own workers, vLLM; tensors through `load_weights`
   otherwise). When a whole sync has arrived the shell ends the engine's update and serves again.
-- A generator Ray restarted serves nothing until the coordinator has synced it (`health()`).
+- A generator Ray restarted serves nothing until the coordinator has synced it (`health()`), and says it
+  was restarted (a warning in its log, before its engine is built).
+- `health()` answers without touching the engine's work: its version, whether it needs weights, and
+  `engine_dead` (Engine.dead: its engine can serve nothing more; the coordinator then restarts it).
 """
 from __future__ import annotations
 
@@ -50,6 +53,8 @@ class GeneratorShell:
         import ray
 
         self.reconstructed = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        if self.reconstructed:  # the previous instance's process died (its cause: Ray's worker logs of that pid)
+            log.warning("generator.restarted_by_ray", generator_id=generator_id, pid=__import__("os").getpid())
         if self.reconstructed and colocated:
             # The learner may be training on our GPU right now: build the engine only when the
             # coordinator wakes us (WeightSync.heal during generation, or the step's wake).
@@ -103,7 +108,8 @@ class GeneratorShell:
         import os
 
         return {"pid": os.getpid(), "version": self.gen.version, "needs_weights": self.needs_weights,
-                "reconstructed": self.reconstructed, "engine_built": getattr(self.gen.engine, "built", True)}
+                "reconstructed": self.reconstructed, "engine_built": getattr(self.gen.engine, "built", True),
+                "engine_dead": self.gen.engine.dead()}
 
     async def pause(self, interrupt: bool = False) -> int:
         return await self.gen.pause(interrupt)

@@ -29,6 +29,7 @@ class FakeAsyncLLM:
     def __init__(self, engine, hold_at=None):
         self.engine, self.prompts, self.aborted = engine, [], set()
         self.hold_at, self.held, self.released = hold_at, 0, asyncio.Event()
+        self.errored = False  # vLLM's AsyncLLM.errored: its engine core process died
 
     async def generate(self, prompt, sampling_params, request_id):
         ids = prompt["prompt_token_ids"]
@@ -110,6 +111,40 @@ def test_every_vllm_symbol_the_partial_path_uses_is_in_VLLM_API():
     used = set(re.findall(r'_sym_fn\("([^"]+)"\)', source))
     assert used and used <= {path for path, _ in VLLM_API}
     assert set(re.findall(r"self\.llm\.(\w+)\(", source)) <= {p.rsplit(".", 1)[1] for p, _ in VLLM_API if ".AsyncLLM." in p}
+
+
+async def test_fake_vllm_engine_core_death_is_in_the_generator_s_health_and_the_coordinator_restarts_it():
+    """A vLLM engine whose engine core died (AsyncLLM.errored) fails every request from then on: its generator
+    would turn each task into a failed group, run after run of steps. Its health says so (`engine_dead`), and
+    the coordinator's health round (WeightSync.heal) restarts it in place, with a warning naming it and the
+    engine's error; a live engine is left alone. Fake: the AsyncLLM stand-in above; the Ray actor's shell is
+    built without Ray (its health is plain). Before: health had no `engine_dead`, nothing was restarted."""
+    from actors.coordinator.coordinator import Coordinator
+    from actors.generator.generator import Generator
+    from actors.generator.shell import GeneratorShell
+    from config import RunContext, apply_overrides
+    from config.recipes import get_recipe
+
+    eng = make_engine()
+    shell = object.__new__(GeneratorShell)  # the actor's state health() reads (no Ray here)
+    shell.gen, shell.needs_weights, shell.reconstructed = Generator(eng, eng.cfg), False, False
+    warnings = []
+    log = type("Log", (), {"info": lambda self, e, **kw: None,
+                           "warning": lambda self, e, **kw: warnings.append((e, kw))})()
+    coord = Coordinator(apply_overrides(get_recipe("tiny"), []), RunContext(run_id="dead"), [], [],
+                        generators=[shell], learner=None, assembler=None, log=log)
+    restarted = []
+    coord.generators.restart = lambda g: restarted.append(g) or True
+    assert (await shell.health())["engine_dead"] is None
+    assert await coord.weights.heal(0) == 0 and restarted == [] and warnings == []
+
+    eng.llm.errored = True  # the engine core process is gone
+    assert "engine core died" in (await shell.health())["engine_dead"]
+    await coord.weights.heal(0)
+    assert restarted == [shell] and coord.generators.frozen_restarts == 1
+    (event, kw), = warnings
+    assert event == "generator's engine died: restarted in place" and kw["generator"] == "generator-0"
+    assert "engine core died" in kw["error"]
 
 
 # -- an episode over the partial path: interrupted inside a tool block's close tag -----------------------

@@ -185,6 +185,92 @@ async def test_fake_restarted_generator_is_resynced_during_an_evaluation():
     assert heals and result["eval_accuracy"] == 0.5 and result["eval_reward_mean"] == 0.25
 
 
+class _Log:
+    """Stands in for the coordinator's structlog logger: (level, event, fields) of each call."""
+
+    def __init__(self):
+        self.lines: list[tuple[str, str, dict]] = []
+
+    def info(self, event, **kw):
+        self.lines.append(("info", event, kw))
+
+    def warning(self, event, **kw):
+        self.lines.append(("warning", event, kw))
+
+
+def _evaluating_coordinator(gen, log):
+    """A coordinator over one stand-in generator, evaluating one held-out item (its groups appear once `gen`
+    makes them: `coord.make_groups()`), with the assembler and the events consumer stand-ins (fake)."""
+    from types import SimpleNamespace
+
+    from actors.coordinator.coordinator import Coordinator
+
+    item = SimpleNamespace(prompt_id="p0", prompt_tokens=b"", db_id="d", db_path="/x", gold_sql="SELECT 1",
+                           difficulty="simple")
+    coord = Coordinator(_cfg("coordinator.step_timeout_s=60", "data.eval_samples=2"), RunContext(run_id="silent"),
+                        [], [item], generators=[gen], learner=None, assembler=None, log=log)
+    published: list[str] = []
+
+    async def publish(tasks):
+        published.extend(t.task_id for t in tasks)
+        return [t.task_id for t in tasks]
+
+    def make_groups():
+        coord._generated.update({t: 0.0 for t in published})
+        coord._event_arrived.set()
+
+    async def collect_eval(ids, timeout):
+        return {"eval_accuracy": 0.5, "eval_reward_mean": 0.25, "eval_sample_accuracy": 0.25}
+
+    coord._publish, coord.make_groups = publish, make_groups
+    coord.assembler.actor = SimpleNamespace(collect_eval=collect_eval)
+    coord._check_events, coord._event_arrived = (lambda: None), asyncio.Event()
+    return coord
+
+
+async def test_fake_generator_silent_in_the_run_s_last_evaluation_is_named_at_once_and_restarted_past_call_timeout_s():
+    """The GPU run of 2026-12-05: mid-way through the evaluation after the last async step the engine's memory
+    went (its generator's process gone; Ray restarting it), and the coordinator waited 39 s with nothing
+    logged, its health checks failing silently round after round, bounded only by step_timeout_s. Now the
+    first unanswered health check is a warning naming the generator and the call, and a generator silent past
+    coordinator.call_timeout_s is restarted in place (then makes the evaluation's groups). Stand-ins (fake):
+    a generator whose health never answers (a process Ray restarts answers nothing until it is up again).
+    Before: the evaluation waited its 60 s bound here, silent."""
+    gen, log = _Generator(frozen=True), _Log()
+    coord = _evaluating_coordinator(gen, log)
+
+    def restart(g):  # Ray's restart in place: the same handle, a live instance that serves its pending prompts
+        g.frozen = False
+        coord.make_groups()
+        return True
+
+    coord.generators.restart = restart
+    t0 = time.monotonic()
+    result = await asyncio.wait_for(coord._eval(), 15)
+    assert result["eval_accuracy"] == 0.5 and time.monotonic() - t0 < 15
+    warnings = [(e, kw) for level, e, kw in log.lines if level == "warning"]
+    assert warnings[0] == ("generator not answering its health call (restarting, frozen or dead)",
+                           {"generator": "generator-0", "call": "health", "error": warnings[0][1]["error"]})
+    assert "generator-0.health did not return within 2 s" in warnings[0][1]["error"]
+    event, kw = warnings[1]
+    assert event == "generator frozen past its bound: restarted in place" and kw["generator"] == "generator-0"
+    assert kw["error"].startswith("generator-0.health did not return within") and coord.generators.frozen_restarts == 1
+    assert [kw["phase"] for level, e, kw in log.lines if e == "phase"] == ["evaluating", "evaluated"]
+
+
+async def test_fake_generator_still_silent_after_its_restart_ends_the_evaluation_naming_it_and_the_call():
+    """Restarted in place and silent again past twice coordinator.call_timeout_s: the wait ends with one line
+    naming the generator and the call (ActorCallTimeout: the launcher's death path), not at step_timeout_s.
+    Stand-ins (fake): a generator that never answers, restarted or not."""
+    gen, log = _Generator(frozen=True), _Log()
+    coord = _evaluating_coordinator(gen, log)
+    coord.generators.restart = lambda g: True  # restarted, and silent again
+    with pytest.raises(ActorCallTimeout) as e:
+        await asyncio.wait_for(coord._eval(), 20)
+    assert str(e.value).startswith("generator-0.health did not return within ")
+    assert coord.generators.frozen_restarts == 1
+
+
 async def test_an_error_of_the_call_itself_passes_as_is_even_a_timeout_error():
     class Learner:
         async def train_from_stream(self, step):
