@@ -256,7 +256,9 @@ class ClusterConfig(_Section):
     num_nodes: int = 1
     gpus_per_node: int = 0
     gpu_memory_gib: float = 80.0  # per GPU, for the --dry-run memory plan
-    num_cpus: int = 0  # local cluster CPUs (0: the host's, or what a CPU recipe's actors ask for when that is more)
+    # local cluster CPUs (0: the host's, or what a CPU recipe's actors ask for when that is more); when set, a CPU
+    # recipe's actor asks are scaled down to fit it where they ask for more (config.placement.fit_cpu_asks)
+    num_cpus: int = 0
     # Ray's dashboard on a cluster the launcher starts (a joined cluster keeps its own): its head, a
     # forkserver and 9 module processes, ~1.0 GB RSS on a tiny run (docs/perf/peers.md); false leaves
     # Ray's own minimal API server (no UI). The Ray version has no switch for fewer modules.

@@ -10,8 +10,8 @@ Invariants:
 - Every `auto` is resolved here and nowhere else: the correction (`resolve_correction`), Dr.GRPO's
   `learner.loss_norm_tokens=0` (the generator's max_tokens), `assembler.overlong_buffer=0` (a quarter of
   it; assembler.max_tokens is always the generator's), the weight
-  transport and the learner's world size (`resolve_placement`, through the pure
-  config.placement.make_placement), so the config.json a run saves holds no `auto` and loads back
+  transport, the learner's world size and a CPU recipe's CPU asks sized to a set cluster.num_cpus
+  (`resolve_placement`, through the pure config.placement.make_placement and fit_cpu_asks), so the config.json a run saves holds no `auto` and loads back
   to the same config.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from config.placement import make_placement
+from config.placement import fit_cpu_asks, make_placement
 from config.schema import ConfigError, RunConfig, expresses_shared_prefix
 
 log = logging.getLogger("config")
@@ -66,7 +66,8 @@ def resolve_placement(cfg: RunConfig) -> None:
     scorer's): `device="auto"` (generator, learner) becomes
     "cuda" on a GPU recipe and "cpu" otherwise, `coordinator.weight_sync="auto"` becomes
     the transport the placement implies and `learner.num_ranks` the learner's world size (on GPUs the
-    placement decides it). A placement that cannot be built (too few GPUs for the engines) leaves both
+    placement decides it); a CPU recipe whose actors ask for more CPUs than a set cluster.num_cpus gets
+    every role's num_cpus scaled down to fit (config.placement.fit_cpu_asks). A placement that cannot be built (too few GPUs for the engines) leaves both
     as given: the launcher, --dry-run and --preflight report its errors."""
     if not cfg.generator.tool_timeout_s:
         cfg.generator.tool_timeout_s = cfg.scorer.timeout_s
@@ -81,6 +82,12 @@ def resolve_placement(cfg: RunConfig) -> None:
         return
     cfg.coordinator.weight_sync = placement.weight_sync
     cfg.learner.num_ranks = placement.learner_world_size
+    sized = fit_cpu_asks(placement, cfg.cluster.num_cpus)
+    if sized:
+        log.info("CPU asks sized to cluster.num_cpus=%s: %s", cfg.cluster.num_cpus,
+                 ", ".join(f"{role}.num_cpus {getattr(cfg, role).num_cpus:g} -> {ask:g}" for role, ask in sized.items()))
+        for role, ask in sized.items():
+            getattr(cfg, role).num_cpus = ask
 
 
 def may_be_off_policy(cfg: RunConfig) -> str:
