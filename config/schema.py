@@ -246,6 +246,12 @@ class CoordinatorConfig(_Section):
     # (cluster.max_relaunches) or ends with one line naming the actor and the call. Long enough for the
     # slowest healthy call: a 32B checkpoint shard or HF export written.
     call_timeout_s: float = 1800.0
+    # The generators' heartbeat (actors/coordinator/heartbeat.py): every heartbeat_s a ping of each generator,
+    # bounded by heartbeat_timeout_s; heartbeat_misses in a row (after it has answered once) = frozen, restarted
+    # in place. Noticed within ~heartbeat_s * heartbeat_misses + heartbeat_timeout_s. 0: no heartbeat.
+    heartbeat_s: float = 4.0
+    heartbeat_timeout_s: float = 3.0
+    heartbeat_misses: int = 3
     time_budget_s: float = 0.0  # stop after this many seconds of training (0: no budget)
     num_cpus: float = 0.25
 

@@ -153,6 +153,9 @@ def check(cfg: RunConfig) -> None:
     need(cfg.coordinator.step_timeout_s > 0, "coordinator.step_timeout_s", "must be > 0")
     need(cfg.coordinator.call_timeout_s > 0, "coordinator.call_timeout_s",
          "must be > 0 (seconds a call to an actor may take before the actor counts as frozen)")
+    need(cfg.coordinator.heartbeat_s >= 0, "coordinator.heartbeat_s", "must be >= 0 (0: no heartbeat)")
+    need(cfg.coordinator.heartbeat_timeout_s > 0, "coordinator.heartbeat_timeout_s", "must be > 0")
+    need(cfg.coordinator.heartbeat_misses >= 1, "coordinator.heartbeat_misses", "must be >= 1")
     need(cfg.coordinator.keep_checkpoints >= 0, "coordinator.keep_checkpoints", "must be >= 0 (0 keeps all)")
     need(cfg.coordinator.keep_exports >= 0, "coordinator.keep_exports", "must be >= 0 (0 keeps all)")
     need(cfg.assembler.max_staleness >= 0, "assembler.max_staleness", "must be >= 0")

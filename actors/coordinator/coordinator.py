@@ -15,7 +15,8 @@ Invariants:
 - Every call to an actor has a bound (actors/coordinator/bounds.py): one past it (a frozen actor) raises
   ActorCallTimeout naming the actor and the call, and the run ends as on a death (relaunch or one line);
   a frozen generator is first restarted in place, once a call (bounds.py), at the latest when a step's groups
-  are late (its restarted instance then serves them in that step: _wait_generated).
+  are late (its restarted instance then serves them in that step: _wait_generated); the heartbeat
+  (heartbeat.py, running while run() runs) restarts one that misses its pings within ~15 s.
 - Every task the coordinator publishes gets exactly one outcome in the ledger (trained or a
   drop reason), and the per-step counts are in the step's metrics. The ledger is the one record that
   grows with the run; everything else the coordinator holds covers the last few steps (a step's
@@ -45,6 +46,7 @@ import msgspec
 from actors.coordinator.bounds import BoundedCalls
 from actors.coordinator.checkpoint import Checkpointing, count_outcomes
 from actors.coordinator.cursor import DataCursor
+from actors.coordinator.heartbeat import start_heartbeat, stop_heartbeat
 from actors.coordinator.sync import WeightSyncHandshake
 from config import RunConfig, RunContext
 from observe.logs import setup_actor_logging
@@ -315,9 +317,11 @@ class Coordinator(BoundedCalls, WeightSyncHandshake, Checkpointing):
 
     async def run(self) -> dict[str, Any]:
         await self.connect()
+        beat = start_heartbeat(self)  # a frozen generator restarted within ~15 s (actors/coordinator/heartbeat.py)
         try:
             return await self._steps()
         finally:
+            await stop_heartbeat(beat)
             await self.disconnect()
 
     async def _steps(self) -> dict[str, Any]:

@@ -11,6 +11,8 @@ Invariants:
   as they came when its weights live in its own workers, vLLM; tensors through `load_weights`
   otherwise). When a whole sync has arrived the shell ends the engine's update and serves again.
 - A generator Ray restarted serves nothing until the coordinator has synced it (`health()`).
+- `ping` (the coordinator's heartbeat) is served in its own concurrency group (HEARTBEAT_GROUP), so it
+  is answered while the generator generates or its main event loop is blocked.
 """
 from __future__ import annotations
 
@@ -26,13 +28,17 @@ from observe.logs import setup_actor_logging
 
 log = structlog.get_logger("arctic_rl.generator")
 
+HEARTBEAT_GROUP = "heartbeat"  # the Ray concurrency group that serves `ping` alone
+
 
 class GeneratorShell:
     """Async Ray actor over one Generator; run() loops while control calls are served."""
 
     # Control calls (sleep, sync, ...) beside the run() loop; restarted by Ray after a crash (it then
     # serves nothing until synced, and its run() retried takes back the tasks it held).
-    RAY_OPTIONS = {"max_concurrency": 256, **RESTARTABLE}
+    # `ping` (the coordinator's heartbeat) in a group of its own: a thread and event loop apart from the calls
+    # above, so a generator whose main loop is busy still answers it.
+    RAY_OPTIONS = {"max_concurrency": 256, "concurrency_groups": {HEARTBEAT_GROUP: 1}, **RESTARTABLE}
 
     def __init__(self, generator_cfg: Any, ctx: RunContext | None = None, *, model_cfg: Any, model_path: str,
                  generator_id: str = "generator-0", colocated: bool = False, device_ids: list[int] | None = None):
@@ -97,6 +103,16 @@ class GeneratorShell:
         import os
 
         return os.getpid()
+
+    async def ping(self) -> int:
+        """The coordinator's heartbeat (actors/coordinator/heartbeat.py): answered from HEARTBEAT_GROUP's own
+        thread and event loop, so generation, a weight load or a blocked main loop does not delay it."""
+        import os
+
+        return os.getpid()
+
+    # Ray's @ray.method(concurrency_group=...) sets this attribute; set here so importing the shell imports no Ray.
+    ping.__ray_concurrency_group__ = HEARTBEAT_GROUP  # type: ignore[attr-defined]
 
     async def health(self) -> dict:
         """What the coordinator checks between and during steps to resync a restarted generator."""
