@@ -22,7 +22,7 @@ from queues.errors import one_line  # noqa: F401 - launch.run.one_line for the C
 from tasks.bird import BirdDataError
 from launch.commands import command
 from launch.inputs import build_in_child, input_paths, offline_unless_allowed
-from launch.local_ray import start_ray
+from launch.local_ray import end_ray, start_ray
 from launch.inputs import load_prompts, prepare_model_and_data  # noqa: F401 - launch.run's names (bench/)
 from launch.export import next_steps
 from launch.progress import summary
@@ -222,7 +222,7 @@ def run(cfg: RunConfig) -> int:
             import ray
 
             if ray.is_initialized():
-                ray.shutdown()
+                end_ray()  # a local cluster's processes ended at once (launch/local_ray.py), not one by one
         except Exception:  # noqa: BLE001 - teardown must reach redis
             pass
         if redis_server is not None:
