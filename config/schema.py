@@ -116,6 +116,10 @@ class GeneratorConfig(_Section):
     seed: int = 0
     device: str = "auto"  # transformers engine: "cpu", "cuda" or "auto"
     max_batch_prompts: int = 16  # transformers engine: prompts batched into one generate
+    # transformers engine: and at most this many rows (a prompt's n samples each) in it, the first prompt always
+    # taken; 0: no row cap. A held-out evaluation's prompts (1 greedy row, or eval_samples rows) then fill a batch
+    # as a training step's prompts x n_samples do, instead of max_batch_prompts prompts of one row each.
+    max_batch_rows: int = 0
     # Async mode: at a weight update engines interrupt in-flight requests, load the new weights and
     # continue them from their tokens (a sample's tokens may span versions). false: the boundary waits
     # for every in-flight request, as colocated mode always does.

@@ -122,6 +122,7 @@ def check(cfg: RunConfig) -> None:
     need(cfg.generator.temperature >= 0, "generator.temperature", "must be >= 0")
     need(0 < cfg.generator.top_p <= 1, "generator.top_p", "must be in (0, 1]")
     need(cfg.generator.max_tokens >= 1, "generator.max_tokens", "must be >= 1")
+    need(cfg.generator.max_batch_rows >= 0, "generator.max_batch_rows", "must be >= 0 (0: no row cap)")
     need(cfg.generator.sleep_level in (1, 2), "generator.sleep_level", "must be 1 or 2")
     need(cfg.learner.zero_stage in (0, 1, 2, 3), "learner.zero_stage", "must be 0, 1, 2 or 3")
     need(len(cfg.learner.betas) == 2, "learner.betas", "needs two values, e.g. 0.9,0.95")
