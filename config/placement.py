@@ -31,7 +31,11 @@ GPU recipes (cluster.gpus_per_node > 0)
         setting that cannot fit, naming the fields).
 CPU recipes (gpus_per_node == 0)
     No placement group: `learner.num_ranks` rank processes and every other actor ask Ray for their
-    num_cpus alone (node 0), as before placement groups existed.
+    num_cpus alone (node 0), as before placement groups existed. When their sum exceeds a set
+    cluster.num_cpus, `fit_cpu_asks` scales every role's ask down by one factor (Ray takes fractional CPU
+    asks; CPU_GRAIN steps) so they fit: config.validate writes the result into the config once, so
+    --dry-run, the saved config and the launcher see the same asks (`tiny learner.num_ranks=2` on 2 CPUs).
+    With cluster.num_cpus=0 a local cluster is given enough logical CPUs instead (`local_num_cpus`).
 
 Weight sync follows from the placement (`weight_sync`): coordinator.weight_sync="auto" resolves to
 cuda_ipc when every engine GPU holds a learner rank (colocated on GPUs, or async on shared GPUs), nccl
@@ -219,6 +223,27 @@ def make_placement(cfg: RunConfig) -> Placement:
     actors += cpu_side
     return Placement(mode, cl.num_nodes, cl.gpus_per_node, bundles, actors, world, weight_sync,
                      cpu_bundle=cl.gpus_per_node, errors=errors, shared=shared)
+
+
+CPU_GRAIN = 0.001  # the step of a sized CPU ask (Ray's own resource grain is 0.0001)
+
+
+def fit_cpu_asks(placement: Placement, cpus: float) -> dict[str, float]:
+    """Each role's CPU ask (role -> num_cpus, the config section of the same name) scaled down by one factor
+    so a CPU recipe's actors ask for at most `cpus` in all, each ask rounded down to CPU_GRAIN (never below
+    it). {} when they already fit, when `cpus` <= 0 (not set), and for GPU recipes (their placement groups
+    reserve what the plan says)."""
+    import math
+
+    if placement.gpu or cpus <= 0:
+        return {}
+    want = sum(a.num_cpus for a in placement.actors)
+    if want <= cpus + 1e-9:
+        return {}
+    factor = cpus / want
+    asks = {a.role: a.num_cpus for a in placement.actors}
+    return {role: round(max(CPU_GRAIN, math.floor(ask * factor / CPU_GRAIN + 1e-9) * CPU_GRAIN), 6)
+            for role, ask in asks.items()}
 
 
 def local_num_cpus(placement: Placement, host_cpus: float) -> int | None:

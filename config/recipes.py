@@ -46,6 +46,9 @@ def tiny() -> RunConfig:
     asked on three databases of their own, and none of their texts is a training question.
     ~3.5 minutes on 2 cores (docs/perf/tiny.md).
 
+    The engine batches by rows (generator.max_batch_rows=128, a training step's 16 prompts x 8 samples): a
+    held-out evaluation's 74 greedy and 74 x 4 sampled prompts go in 3 batches, not 10 of 16 prompts.
+
     No Ray dashboard (cluster.dashboard=false): on a laptop-sized CPU run its head and 9 module
     processes were ~1.0 GB of the run's ~3.8 GB, more than the learner and the generator together;
     `cluster.dashboard=true` brings it back (http://127.0.0.1:8265). The GPU recipes keep it on."""
@@ -58,7 +61,8 @@ def tiny() -> RunConfig:
                           tiny_kv_heads=2, tiny_intermediate_size=256, tiny_vocab_size=2048, tiny_sft_steps=300,
                           tiny_sft_lr=3e-3, tiny_sft_slip=0.6),
         generator=GeneratorConfig(engine="transformers", device="cpu", n_samples=8, temperature=1.0,
-                                  max_tokens=48, max_inflight_prompts=16, max_batch_prompts=16, num_cpus=0.5),
+                                  max_tokens=48, max_inflight_prompts=128, max_batch_prompts=128, max_batch_rows=128,
+                                  num_cpus=0.5),
         scorer=ScorerConfig(workers=1, timeout_s=5.0, memory_mb=1024, num_cpus=0.25),
         assembler=AssemblerConfig(micro_batch_tokens=4096, filter_zero_variance=True, num_cpus=0.25),
         learner=LearnerConfig(zero_stage=0, dtype="float32", lr=3e-4, betas=[0.9, 0.99], grad_clip=1.0,

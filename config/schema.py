@@ -122,6 +122,10 @@ class GeneratorConfig(_Section):
     seed: int = 0
     device: str = "auto"  # transformers engine: "cpu", "cuda" or "auto"
     max_batch_prompts: int = 16  # transformers engine: prompts batched into one generate
+    # transformers engine: and at most this many rows (a prompt's n samples each) in it, the first prompt always
+    # taken; 0: no row cap. A held-out evaluation's prompts (1 greedy row, or eval_samples rows) then fill a batch
+    # as a training step's prompts x n_samples do, instead of max_batch_prompts prompts of one row each.
+    max_batch_rows: int = 0
     # Async mode: at a weight update engines interrupt in-flight requests, load the new weights and
     # continue them from their tokens (a sample's tokens may span versions). false: the boundary waits
     # for every in-flight request, as colocated mode always does.
@@ -252,6 +256,12 @@ class CoordinatorConfig(_Section):
     # (cluster.max_relaunches) or ends with one line naming the actor and the call. Long enough for the
     # slowest healthy call: a 32B checkpoint shard or HF export written.
     call_timeout_s: float = 1800.0
+    # The generators' heartbeat (actors/coordinator/heartbeat.py): every heartbeat_s a ping of each generator,
+    # bounded by heartbeat_timeout_s; heartbeat_misses in a row (after it has answered once) = frozen, restarted
+    # in place. Noticed within ~heartbeat_s * heartbeat_misses + heartbeat_timeout_s. 0: no heartbeat.
+    heartbeat_s: float = 4.0
+    heartbeat_timeout_s: float = 3.0
+    heartbeat_misses: int = 3
     time_budget_s: float = 0.0  # stop after this many seconds of training (0: no budget)
     num_cpus: float = 0.25
 
@@ -262,7 +272,9 @@ class ClusterConfig(_Section):
     num_nodes: int = 1
     gpus_per_node: int = 0
     gpu_memory_gib: float = 80.0  # per GPU, for the --dry-run memory plan
-    num_cpus: int = 0  # local cluster CPUs (0: the host's, or what a CPU recipe's actors ask for when that is more)
+    # local cluster CPUs (0: the host's, or what a CPU recipe's actors ask for when that is more); when set, a CPU
+    # recipe's actor asks are scaled down to fit it where they ask for more (config.placement.fit_cpu_asks)
+    num_cpus: int = 0
     # Ray's dashboard on a cluster the launcher starts (a joined cluster keeps its own): its head, a
     # forkserver and 9 module processes, ~1.0 GB RSS on a tiny run (docs/perf/peers.md); false leaves
     # Ray's own minimal API server (no UI). The Ray version has no switch for fewer modules.

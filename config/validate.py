@@ -10,8 +10,8 @@ Invariants:
 - Every `auto` is resolved here and nowhere else: the correction (`resolve_correction`), Dr.GRPO's
   `learner.loss_norm_tokens=0` (the generator's max_tokens), `assembler.overlong_buffer=0` (a quarter of
   it; assembler.max_tokens is always the generator's), the weight
-  transport and the learner's world size (`resolve_placement`, through the pure
-  config.placement.make_placement), so the config.json a run saves holds no `auto` and loads back
+  transport, the learner's world size and a CPU recipe's CPU asks sized to a set cluster.num_cpus
+  (`resolve_placement`, through the pure config.placement.make_placement and fit_cpu_asks), so the config.json a run saves holds no `auto` and loads back
   to the same config.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from config.placement import make_placement
+from config.placement import fit_cpu_asks, make_placement
 from config.schema import ConfigError, RunConfig, expresses_shared_prefix
 
 log = logging.getLogger("config")
@@ -66,7 +66,8 @@ def resolve_placement(cfg: RunConfig) -> None:
     scorer's): `device="auto"` (generator, learner) becomes
     "cuda" on a GPU recipe and "cpu" otherwise, `coordinator.weight_sync="auto"` becomes
     the transport the placement implies and `learner.num_ranks` the learner's world size (on GPUs the
-    placement decides it). A placement that cannot be built (too few GPUs for the engines) leaves both
+    placement decides it); a CPU recipe whose actors ask for more CPUs than a set cluster.num_cpus gets
+    every role's num_cpus scaled down to fit (config.placement.fit_cpu_asks). A placement that cannot be built (too few GPUs for the engines) leaves both
     as given: the launcher, --dry-run and --preflight report its errors."""
     if not cfg.generator.tool_timeout_s:
         cfg.generator.tool_timeout_s = cfg.scorer.timeout_s
@@ -81,6 +82,12 @@ def resolve_placement(cfg: RunConfig) -> None:
         return
     cfg.coordinator.weight_sync = placement.weight_sync
     cfg.learner.num_ranks = placement.learner_world_size
+    sized = fit_cpu_asks(placement, cfg.cluster.num_cpus)
+    if sized:
+        log.info("CPU asks sized to cluster.num_cpus=%s: %s", cfg.cluster.num_cpus,
+                 ", ".join(f"{role}.num_cpus {getattr(cfg, role).num_cpus:g} -> {ask:g}" for role, ask in sized.items()))
+        for role, ask in sized.items():
+            getattr(cfg, role).num_cpus = ask
 
 
 def may_be_off_policy(cfg: RunConfig) -> str:
@@ -115,6 +122,7 @@ def check(cfg: RunConfig) -> None:
     need(cfg.generator.temperature >= 0, "generator.temperature", "must be >= 0")
     need(0 < cfg.generator.top_p <= 1, "generator.top_p", "must be in (0, 1]")
     need(cfg.generator.max_tokens >= 1, "generator.max_tokens", "must be >= 1")
+    need(cfg.generator.max_batch_rows >= 0, "generator.max_batch_rows", "must be >= 0 (0: no row cap)")
     need(cfg.generator.sleep_level in (1, 2), "generator.sleep_level", "must be 1 or 2")
     need(cfg.learner.zero_stage in (0, 1, 2, 3), "learner.zero_stage", "must be 0, 1, 2 or 3")
     need(len(cfg.learner.betas) == 2, "learner.betas", "needs two values, e.g. 0.9,0.95")
@@ -146,6 +154,9 @@ def check(cfg: RunConfig) -> None:
     need(cfg.coordinator.step_timeout_s > 0, "coordinator.step_timeout_s", "must be > 0")
     need(cfg.coordinator.call_timeout_s > 0, "coordinator.call_timeout_s",
          "must be > 0 (seconds a call to an actor may take before the actor counts as frozen)")
+    need(cfg.coordinator.heartbeat_s >= 0, "coordinator.heartbeat_s", "must be >= 0 (0: no heartbeat)")
+    need(cfg.coordinator.heartbeat_timeout_s > 0, "coordinator.heartbeat_timeout_s", "must be > 0")
+    need(cfg.coordinator.heartbeat_misses >= 1, "coordinator.heartbeat_misses", "must be >= 1")
     need(cfg.coordinator.keep_checkpoints >= 0, "coordinator.keep_checkpoints", "must be >= 0 (0 keeps all)")
     need(cfg.coordinator.keep_exports >= 0, "coordinator.keep_exports", "must be >= 0 (0 keeps all)")
     need(cfg.assembler.max_staleness >= 0, "assembler.max_staleness", "must be >= 0")

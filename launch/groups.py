@@ -6,7 +6,8 @@ GPU recipes get one STRICT_PACK placement group per plan node (`build_placement_
 cluster.placement_timeout_s or a one-line PlacementFailed naming the plan node (and any dead Ray node);
 a generator gets `device_ids`, the GPU ids Ray gave its TP bundles (`bundle_gpu_ids`: found by a tiny
 task in each bundle). CPU recipes use no group; their CPU requests must fit the cluster's CPUs
-(`check_cpus`: else PlacementFailed at once, not an actor pending forever).
+(`check_cpus`: else PlacementFailed at once, not an actor pending forever, naming the override that
+sizes the asks to the cluster: cluster.num_cpus, config.placement.fit_cpu_asks).
 
 Invariants: every wait here is bounded by the `timeout_s` it is given; a failure to place is one line,
 PlacementFailed, and leaves no group behind (the groups already made are removed); `actor_options` is
@@ -69,7 +70,7 @@ def check_cpus(placement) -> None:
     if want > have + 1e-9:
         raise PlacementFailed(f"the actors ask for {want:g} CPUs but the Ray cluster has {have:g} ("
                               + ", ".join(f"{a.name}={a.num_cpus:g}" for a in placement.actors)
-                              + "): lower their num_cpus or raise cluster.num_cpus")
+                              + f"): run with cluster.num_cpus={max(1, int(have))} to size the asks to it")
 
 
 def group_nodes(groups: list) -> list[str]:

@@ -10,7 +10,8 @@ Placement
     actor's Ray request (GPU fraction, CPUs), the learner world size W and the weight-sync transport.
     Its errors (engines that do not fit, async without learner GPUs) are plan errors; its rows are
     launch/plan_table.py's placement_rows. With no GPUs (tiny) the plan is CPU only: every actor's Ray
-    CPU request, summed against cluster.num_cpus (0: this machine's CPUs).
+    CPU request (already sized to a set cluster.num_cpus by validation), summed against cluster.num_cpus
+    (0: this machine's CPUs, or the logical CPUs a local cluster is given when the asks are more).
 
 Memory, per GPU, in GiB (2**30 bytes). N = parameters, W = learner world size, T = assembler.micro_batch_tokens,
 h = hidden, L = layers, I = intermediate, V = vocab, hd = head_dim, nh/nkv = attention/KV heads, b = bytes of dtype.
@@ -95,7 +96,7 @@ from config.memory import (
     startup_and_checkpoint_phases,
     vllm_awake_gib,
 )
-from config.placement import Placement, make_placement
+from config.placement import Placement, local_num_cpus, make_placement
 from launch.plan_table import ActorPlacement, placement_rows, render_plan
 
 
@@ -158,7 +159,8 @@ class Plan:
 def _cpu_plan(cfg: RunConfig, shape: ModelShape, recipe: str, placement: Placement) -> Plan:
     placements = placement_rows(cfg, placement)
     requested = sum(a.num_cpus for a in placement.actors)
-    available = float(cfg.cluster.num_cpus or os.cpu_count() or 1)
+    host = float(os.cpu_count() or 1)  # cluster.num_cpus=0: a local cluster gets enough (local_num_cpus)
+    available = float(cfg.cluster.num_cpus or local_num_cpus(placement, host) or host)
     n = shape.num_params
     world = placement.learner_world_size
     states = learner_state_gib(cfg, n, world)

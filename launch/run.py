@@ -20,7 +20,7 @@ from config import ConfigError, RunConfig, RunContext, check_inputs, layout
 from launch.commands import command
 from launch.export import next_steps
 from launch.inputs import build_in_child, input_paths, load_prompts, offline_unless_allowed, prepare_model_and_data  # noqa: F401 - launch.run's names (bench/)
-from launch.local_ray import start_ray
+from launch.local_ray import end_ray, start_ray
 from launch.progress import summary
 from observe.logs import setup_logging
 from queues.errors import one_line  # noqa: F401 - launch.run.one_line for the CLI and preflight
@@ -221,7 +221,7 @@ def run(cfg: RunConfig) -> int:
             import ray
 
             if ray.is_initialized():
-                ray.shutdown()
+                end_ray()  # a local cluster's processes ended at once (launch/local_ray.py), not one by one
         except Exception:  # noqa: BLE001 - teardown must reach redis
             pass
         if redis_server is not None:

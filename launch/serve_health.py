@@ -36,6 +36,10 @@ What it checks, and its invariant:
 - /healthz never needs the API key (probes carry none); any other path under the prefix does, exactly
   as every route of the model app (401, launch/serve_http.py auth_refusal), and is then a 404; a method
   other than GET/HEAD on /healthz is a 405. Bodies are one line under "error", as everywhere.
+- Ray Serve's proxy answers `/-/routes` itself (every route prefix and the app behind it): with a key
+  set, the proxy's middleware (`ProxyRoutesKey`, beside ProxyHealthz) asks for the key there too, so
+  nothing but /healthz and the proxy's bare `/-/healthz` ("success") answers without it. A proxy started
+  without our callback (a joined cluster, the user's own callback) still answers it openly.
 """
 from __future__ import annotations
 
@@ -210,11 +214,37 @@ class ProxyHealthz:
         await respond(self.state, self.digest, scope.get("method", "GET"), path, auth, "proxy")(scope, receive, send)
 
 
+PROXY_KEYED_PATHS = ("/-/routes",)  # the proxy's own routes that tell more than "success"
+
+
+class ProxyRoutesKey:
+    """ASGI middleware in Ray Serve's proxy: with a key set, `/-/routes` (the proxy's own answer naming
+    every app) refused with the model app's 401 unless the request carries the key; every other request
+    passed on untouched. Its settings come from ARL_SERVE_HEALTHZ (api_key_sha256; "" -> no key)."""
+
+    def __init__(self, app, settings: dict | None = None):
+        cfg = settings if settings is not None else json.loads(os.environ[SETTINGS_ENV])
+        self.app, self.digest = app, cfg["api_key_sha256"]
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "").rstrip("/") if scope.get("type") == "http" else ""
+        if self.digest and path in PROXY_KEYED_PATHS:
+            auth = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"authorization"), None)
+            why = auth_refusal(self.digest, auth)
+            if why:
+                response = _error(401, why)
+                response.headers["WWW-Authenticate"] = "Bearer"
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def proxy_middlewares() -> list:
-    """PROXY_CALLBACK: Ray Serve's proxy calls it once at its start; ProxyHealthz when our settings are set."""
+    """PROXY_CALLBACK: Ray Serve's proxy calls it once at its start; ProxyHealthz and ProxyRoutesKey when our
+    settings are set."""
     from starlette.middleware import Middleware
 
-    return [Middleware(ProxyHealthz)] if os.environ.get(SETTINGS_ENV) else []
+    return [Middleware(ProxyRoutesKey), Middleware(ProxyHealthz)] if os.environ.get(SETTINGS_ENV) else []
 
 
 def proxy_env(app: str, deployment: str, opts, databases: int) -> dict[str, str]:

@@ -15,7 +15,8 @@ Invariants:
 - Every call to an actor has a bound (actors/handles.py): one past it (a frozen actor) raises
   ActorCallTimeout naming the actor and the call, and the run ends as on a death (relaunch or one line);
   a frozen generator is first restarted in place, once a call (GeneratorPool), at the latest when a step's
-  groups are late (its restarted instance then serves them in that step: _wait_generated).
+  groups are late (its restarted instance then serves them in that step: _wait_generated); the heartbeat
+  (heartbeat.py, running while run() runs) restarts one that misses its pings within ~15 s.
 - Every task the coordinator publishes gets exactly one outcome in the ledger (trained or a
   drop reason), and the per-step counts are in the step's metrics. The ledger is the one record that
   grows with the run; everything else the coordinator holds covers the last few steps (a step's
@@ -44,6 +45,7 @@ from typing import Any
 
 from actors.coordinator.checkpoint import Checkpoints, count_outcomes
 from actors.coordinator.cursor import DataCursor
+from actors.coordinator.heartbeat import start_heartbeat, stop_heartbeat
 from actors.coordinator.prompts import eval_tasks, train_tasks
 from actors.coordinator.report import StepReport
 from actors.coordinator.sync import WeightSync
@@ -325,9 +327,11 @@ class Coordinator:
 
     async def run(self) -> dict[str, Any]:
         await self.connect()
+        beat = start_heartbeat(self)  # a frozen generator restarted within ~15 s (actors/coordinator/heartbeat.py)
         try:
             return await self._steps()
         finally:
+            await stop_heartbeat(beat)
             await self.disconnect()
 
     async def _steps(self) -> dict[str, Any]:

@@ -4,7 +4,7 @@ Used by `tiny`, the tests and any machine without vLLM.
 
 Invariants:
 - Concurrent `generate` calls are batched: a background loop takes what is pending (up to
-  `max_batch_prompts` prompts), prefills each prompt once (left-padded, explicit position ids),
+  `max_batch_prompts` prompts, and with `max_batch_rows` as many as fit that many rows), prefills each prompt once (left-padded, explicit position ids),
   copies its KV cache to its n rows, and decodes with its own sampling loop over the KV cache.
   A prompt's group is handed back the moment all n of ITS rows end; finished rows leave the
   batch (the cache is shrunk), so later steps only pay for live rows. New prompts join at the
@@ -111,6 +111,7 @@ class TransformersEngine(WeightsMixin, Engine):
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
         self.version = 0
         self.max_batch_prompts = max(1, generator_cfg.max_batch_prompts)
+        self.max_batch_rows = max(0, generator_cfg.max_batch_rows)
         self._torch_gen = torch.Generator(device=self.device)
         self._torch_gen.manual_seed(generator_cfg.seed)
         # Unique parameters by canonical name; every alias (tied weights) maps to the same one.
@@ -201,7 +202,7 @@ class TransformersEngine(WeightsMixin, Engine):
                 await self._has_work.wait()
                 continue
             self._idle.clear()
-            batch = self._pending[: self.max_batch_prompts]
+            batch = self._pending[: self._batch_size()]
             del self._pending[: len(batch)]
             batch = [r for r in batch if not r.future.done()]
             if not batch:
@@ -221,6 +222,18 @@ class TransformersEngine(WeightsMixin, Engine):
                 self._active = []
             if not self._pending and not self._parked:
                 self._abort_requested = False
+
+    def _batch_size(self) -> int:
+        """How many pending requests the next batch takes: at most max_batch_prompts, and (max_batch_rows > 0)
+        as many as fit its rows (n each), the first one always."""
+        if not self.max_batch_rows:
+            return self.max_batch_prompts
+        taken, rows = 0, 0
+        for req in self._pending[: self.max_batch_prompts]:
+            if taken and rows + req.params.n > self.max_batch_rows:
+                break
+            taken, rows = taken + 1, rows + req.params.n
+        return max(1, taken)
 
     def _resolve(self, req: _Request, abort: bool = False) -> None:
         if req.future.done():

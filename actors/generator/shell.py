@@ -14,6 +14,8 @@ Invariants:
   was restarted (a warning in its log, before its engine is built).
 - `health()` answers without touching the engine's work: its version, whether it needs weights, and
   `engine_dead` (Engine.dead: its engine can serve nothing more; the coordinator then restarts it).
+- `ping` (the coordinator's heartbeat) is served in its own concurrency group (HEARTBEAT_GROUP), so it
+  is answered while the generator generates or its main event loop is blocked.
 """
 from __future__ import annotations
 
@@ -29,13 +31,17 @@ from observe.logs import setup_actor_logging
 
 log = structlog.get_logger("arctic_rl.generator")
 
+HEARTBEAT_GROUP = "heartbeat"  # the Ray concurrency group that serves `ping` alone
+
 
 class GeneratorShell:
     """Async Ray actor over one Generator; run() loops while control calls are served."""
 
     # Control calls (sleep, sync, ...) beside the run() loop; restarted by Ray after a crash (it then
     # serves nothing until synced, and its run() retried takes back the tasks it held).
-    RAY_OPTIONS = {"max_concurrency": 256, **RESTARTABLE}
+    # `ping` (the coordinator's heartbeat) in a group of its own: a thread and event loop apart from the calls
+    # above, so a generator whose main loop is busy still answers it.
+    RAY_OPTIONS = {"max_concurrency": 256, "concurrency_groups": {HEARTBEAT_GROUP: 1}, **RESTARTABLE}
 
     def __init__(self, generator_cfg: GeneratorConfig, ctx: RunContext | None = None, *, model_cfg: ModelConfig, model_path: str,
                  generator_id: str = "generator-0", colocated: bool = False, device_ids: list[int] | None = None):
@@ -102,6 +108,16 @@ class GeneratorShell:
         import os
 
         return os.getpid()
+
+    async def ping(self) -> int:
+        """The coordinator's heartbeat (actors/coordinator/heartbeat.py): answered from HEARTBEAT_GROUP's own
+        thread and event loop, so generation, a weight load or a blocked main loop does not delay it."""
+        import os
+
+        return os.getpid()
+
+    # Ray's @ray.method(concurrency_group=...) sets this attribute; set here so importing the shell imports no Ray.
+    ping.__ray_concurrency_group__ = HEARTBEAT_GROUP  # type: ignore[attr-defined]
 
     async def health(self) -> dict:
         """What the coordinator checks between and during steps to resync a restarted generator."""

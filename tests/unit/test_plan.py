@@ -154,7 +154,11 @@ def test_tiny_is_a_cpu_plan_that_fits_and_fails_on_too_few_cpus():
     assert plan.fits and plan.total_gpus == 0 and plan.gpu_memory == []
     assert plan.cpu_requested == pytest.approx(0.5 + 0.5 + 0.25 + 0.25 + 0.25)
     assert "CPU only" in plan.render()
-    small = plan_for("tiny", "cluster.num_cpus=1")
+    sized = plan_for("tiny", "cluster.num_cpus=1")  # validation sizes the asks to it (test_cpu_sizing.py)
+    assert sized.fits and 0.99 <= sized.cpu_requested <= 1
+    cfg = apply_overrides(get_recipe("tiny"), [])
+    cfg.cluster.num_cpus = 1  # past validation, as a hand-edited config would be: the plan still says so
+    small = make_plan(cfg)
     assert not small.fits and "CPU requests sum to 1.75" in small.errors[0]
 
 
