@@ -13,11 +13,11 @@ Callers import the public names from here: `from config import RunConfig, apply_
 from config.context import RunContext
 from config.overrides import apply_overrides
 from config.schema import (AssemblerConfig, ClusterConfig, ConfigError, CoordinatorConfig, DataConfig,
-                           GeneratorConfig, LearnerConfig, LoggingConfig, ModelConfig, RunConfig, ScorerConfig)
+                           GeneratorConfig, LearnerConfig, LoggingConfig, LoraConfig, ModelConfig, RunConfig, ScorerConfig)
 from config.validate import (check, check_attention, check_inputs, check_multi_node, may_be_off_policy,
                              resolve_correction, to_dict, validate)
 
 __all__ = ["AssemblerConfig", "ClusterConfig", "ConfigError", "CoordinatorConfig", "DataConfig", "GeneratorConfig",
-           "LearnerConfig", "LoggingConfig", "ModelConfig", "RunConfig", "RunContext", "ScorerConfig", "apply_overrides", "check",
+           "LearnerConfig", "LoggingConfig", "LoraConfig", "ModelConfig", "RunConfig", "RunContext", "ScorerConfig", "apply_overrides", "check",
            "check_attention", "check_inputs", "check_multi_node", "may_be_off_policy", "resolve_correction",
            "to_dict", "validate"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from config.schema import (AssemblerConfig, ClusterConfig, CoordinatorConfig, DataConfig, GeneratorConfig,
-                     LearnerConfig, ModelConfig, RunConfig, ScorerConfig)
+                     LearnerConfig, LoraConfig, ModelConfig, RunConfig, ScorerConfig)
 
 # tasks.synthetic.TINY_TEMPLATES (config/ imports nothing of ours; tests/test_tiny_task.py keeps them equal)
 TINY_TEMPLATES = (0, 1, 3, 4, 5, 6, 8)
@@ -71,6 +71,21 @@ def tiny_mt() -> RunConfig:
     tiny (one turn) at the same steps: `python -m bench.tiny_turns`."""
     cfg = _three_turns(tiny(), "tiny_mt")
     cfg.model.tiny_sft_revise = 1.0
+    return cfg
+
+
+@recipe
+def tiny_lora() -> RunConfig:
+    """tiny with LoRA (issue 39): a rank-16 adapter (alpha 32) on every attention and MLP projection trains,
+    the base stays as built; the warm start trains the adapter too (the base is never in the optimizer), and
+    each weight sync moves the adapter alone into the engine. LoRA's updates are low-rank and scaled, so its
+    rates are above tiny's (warm start 1e-2, RL 1e-3). `tiny learner.lora.rank=R` gives LoRA at tiny's rates.
+    Compared with tiny (full fine-tuning) in docs/perf/lora.md."""
+    cfg = tiny()
+    cfg.name = "tiny_lora"
+    cfg.learner.lora = LoraConfig(rank=16, alpha=32.0)
+    cfg.model.tiny_sft_lr = 1e-2
+    cfg.learner.lr = 1e-3
     return cfg
 
 

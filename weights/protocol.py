@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from weights.base import ExportOnly, drive_bucketed_sync, maybe_await
-from weights.wire import WeightSyncError
+from weights.wire import SyncSummary, WeightSyncError
 
 @dataclass(frozen=True)
 class TransportKey:
@@ -67,6 +67,7 @@ class Link:
     receivers: list[Verb]
     group: Any = None
     log: Any = None
+    summary: Any = None  # the sender's SyncSummary of the last sync (tensors, bytes), where the transport sees one
 
     async def to_sender(self, call: WeightsCall) -> Any:
         return await maybe_await(self.send(call))
@@ -123,8 +124,15 @@ class Transport:
     async def sync(self, link: Link, version: int, bucket_mb: float) -> None:
         """One whole sync learner -> every receiver; raises (receivers keep their version) on failure."""
         await link.to_sender(self.call("start", version, bucket_mb))
+
+        async def next_message() -> Any:
+            message = await link.to_sender(self.call("next"))
+            if isinstance(message, SyncSummary):
+                link.summary = message  # what the sender moved: the coordinator logs its bytes
+            return message
+
         got = await drive_bucketed_sync(
-            lambda: link.to_sender(self.call("next")),
+            next_message,
             [lambda m, r=r: maybe_await(r(self.call("receive", m))) for r in link.receivers],
             abort=lambda: link.to_sender(self.call("abort")))
         if got != version:

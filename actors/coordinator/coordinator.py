@@ -284,10 +284,12 @@ class Coordinator(BoundedCalls, WeightSyncHandshake, Checkpointing):
             m["interrupted_requests"] = float(sum(p or 0 for p in parked))
         if trained:
             m["time_weight_sync"] = await self.sync_weights(self.version + 1)
+            m["weight_sync_bytes"] = getattr(self, "last_sync_bytes", float("nan"))
             self.version += 1
         elif colocated and cfg.generator.sleep_level == 2:
             # Level 2 dropped the engine's weights: give back the unchanged ones.
             m["time_weight_sync"] = await self.sync_weights(self.version)
+            m["weight_sync_bytes"] = getattr(self, "last_sync_bytes", float("nan"))
         await self._all_generators("set_version", self.version)
         if colocated:
             t = time.perf_counter()

@@ -108,6 +108,11 @@ class WeightSyncHandshake:
         finally:
             if collective:
                 self._broadcast_rdv = link.group
+        # Bytes the learner sent (with learner.lora: the adapter's alone), a scalar of every step that synced
+        self.last_sync_bytes = float(link.summary.nbytes) if link.summary is not None else float("nan")
+        if self.log is not None:
+            self.log.info("weight sync", version=version, bytes=self.last_sync_bytes,
+                          tensors=link.summary.num_tensors if link.summary is not None else -1)
 
     async def initial_sync(self, warm_start_metrics: dict[str, float]) -> None:
         """Before the first step. Colocated, the learner goes to sleep first (optimizer state to the host

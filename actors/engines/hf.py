@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from actors import lora
 from actors.dtypes import torch_dtype
 from actors.engines.base import (
     Engine, EngineAsleep, SamplingSettings, TaskError, prompt_ids, resolve_sampling,
@@ -94,10 +95,15 @@ class TransformersEngine(WeightsMixin, Engine):
         local_only = not bool(getattr(model_cfg, "allow_download", False))
         self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer or model_path, trust_remote_code=trust,
                                                        local_files_only=local_only)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=self.dtype, attn_implementation=model_cfg.attn_implementation,
-            trust_remote_code=trust, local_files_only=local_only,
-        ).to(self.device).eval()
+        load_kw = dict(dtype=self.dtype, attn_implementation=model_cfg.attn_implementation, trust_remote_code=trust,
+                       local_files_only=local_only)
+        if lora.is_adapter_dir(model_path):  # a LoRA export: its base with the adapter in it (eval, serve)
+            self.model = lora.load_adapter_model(model_path, **load_kw)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, **load_kw)
+            if lora.enabled(getattr(generator_cfg, "lora", None)):  # LoRA RL: the learner's adapter, synced alone
+                lora.inject(self.model, generator_cfg.lora)
+        self.model = self.model.to(self.device).eval()
         conf = self.model.config
         self.max_model_len = int(getattr(conf, "max_position_embeddings", 1 << 30))
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
@@ -116,6 +122,10 @@ class TransformersEngine(WeightsMixin, Engine):
         by_id = {id(p): n for n, p in self._params.items()}
         for n, p in self.model.named_parameters(remove_duplicate=False):
             self._aliases[n] = by_id[id(p)]
+        # LoRA: adapter tensors arrive under their PEFT names (actors/lora.py); every update must bring all of them
+        self._adapter = {lora.adapter_key(n): n for n in self._params if lora.adapter_key(n) is not None}
+        self._aliases.update(self._adapter)
+        self._adapter_loaded: set[str] = set()
         self._shapes = {n: tuple(p.shape) for n, p in self._params.items()}
         self._offloaded: dict[str, torch.Tensor] = {}
         self._sleep_level = 0

@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import structlog
 import torch
 
+from actors import lora
 from actors.learner import attention, attention_flex
 from actors.dtypes import torch_dtype
 from actors.learner.logprob_head import LogProbHead, apply_liger_kernels, limit_checkpointed_layers, restore_rotary_buffers
@@ -161,6 +162,9 @@ class LearnerEngine:
                                                      attn_implementation=self.attn_implementation,
                                                      trust_remote_code=model_cfg.trust_remote_code)
         model.config.use_cache = False
+        self.lora = lora.enabled(learner_cfg.lora)
+        if self.lora:  # only the adapter trains, so only it reaches the optimizer below (actors/lora.py)
+            lora.inject(model, learner_cfg.lora)
         self.liger_kernels = self.use_liger and learner_cfg.liger_kernels and apply_liger_kernels(model)
         if learner_cfg.gradient_checkpointing:
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns
@@ -194,7 +198,9 @@ class LearnerEngine:
         self.step = 0
         self.ref_model = self._build_ref_model() if learner_cfg.kl_coef > 0 else None
         self.asleep = False
-        log.info("learner.ready", zero_stage=learner_cfg.zero_stage, dtype=learner_cfg.dtype, device=str(self.device),
+        trainable = sum(p.numel() for p in params)
+        log.info("learner.ready", trainable_params=trainable, lora_rank=learner_cfg.lora.rank if self.lora else 0,
+                 zero_stage=learner_cfg.zero_stage, dtype=learner_cfg.dtype, device=str(self.device),
                  world_size=self.world_size, attn=self.attn_implementation, temperature=self.temperature)
 
     # ------------------------------------------------------------------ setup
@@ -276,28 +282,40 @@ class LearnerEngine:
     def export_weights(self, bucket_mb: float = 512, device: str = "cpu") -> Iterator[list[tuple[str, torch.Tensor]]]:
         """HF-named tensors in buckets of about `bucket_mb`, gathered module by module under ZeRO-3.
 
-        Tied weights appear once (under their first name, as named_parameters gives them).
+        Tied weights appear once (under their first name, as named_parameters gives them). With
+        learner.lora, the adapter's tensors alone under their PEFT names (actors/lora.py), never the frozen
+        base; an export that found no adapter tensor raises instead of syncing nothing (verl #7495).
         """
         limit = max(1, int(bucket_mb * 2**20))
         model = self.engine.module.model
         seen: set[int] = set()
         bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
+        size = count = 0
         for mod_name, module in model.named_modules():
-            own = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+            own = [(self._wire_name(f"{mod_name}.{n}" if mod_name else n), p)
+                   for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+            own = [(n, p) for n, p in own if n is not None]
             if not own:
                 continue
             with self._gathered([p for _, p in own]):
                 for n, p in own:
                     seen.add(id(p))
                     t = p.detach().to(device=device, dtype=self.dtype, copy=True)
-                    bucket.append((f"{mod_name}.{n}" if mod_name else n, t))
+                    bucket.append((n, t))
                     size += t.numel() * t.element_size()
+                    count += 1
             if size >= limit:
                 yield bucket
                 bucket, size = [], 0
         if bucket:
             yield bucket
+        if count == 0:
+            raise RuntimeError("export_weights found no tensor to send" + (
+                " (learner.lora: the model holds no adapter parameter)" if self.lora else ""))
+
+    def _wire_name(self, name: str) -> str | None:
+        """The name a parameter travels under: its HF name, or with LoRA its adapter name (None: the base)."""
+        return lora.adapter_key(name) if self.lora else name
 
     def state_dict_hf(self) -> dict[str, torch.Tensor]:
         """All weights, HF-named, on CPU (small models and tests)."""
@@ -315,8 +333,10 @@ class LearnerEngine:
                 self.sleep()
         os.makedirs(path, exist_ok=True)
         # Collective: each rank writes its own shard (ZeRO 1-3: its optimizer partition).
+        # With LoRA the frozen base stays out (it is the model directory's): the adapter and its optimizer only.
         self.engine.save_checkpoint(path, tag="learner", client_state={
-            "learner_step": self.step, "scheduler": self.scheduler.state_dict(), "world_size": self.world_size})
+            "learner_step": self.step, "scheduler": self.scheduler.state_dict(), "world_size": self.world_size},
+            exclude_frozen_parameters=self.lora)
         if self.rank == 0:
             with open(os.path.join(path, WORLD_FILE), "w") as f:
                 json.dump({"world_size": self.world_size, "zero_stage": self.cfg.zero_stage}, f)
@@ -339,7 +359,8 @@ class LearnerEngine:
             raise ValueError(f"learner checkpoint {path} was saved by {saved} learner rank(s); this run has "
                              f"learner.num_ranks={self.world_size}: resume with learner.num_ranks={saved}")
         load_path, client = self.engine.load_checkpoint(path, tag="learner", load_optimizer_states=True,
-                                                        load_lr_scheduler_states=False)
+                                                        load_lr_scheduler_states=False,
+                                                        load_module_strict=not self.lora)
         if load_path is None:
             raise FileNotFoundError(f"no learner checkpoint under {path!r}")
         self.scheduler.load_state_dict(client["scheduler"])
@@ -351,7 +372,12 @@ class LearnerEngine:
         Every rank calls it (the ZeRO-3 consolidation is collective); rank 0 writes."""
         os.makedirs(path, exist_ok=True)
         model = self.engine.module.model
-        if self.cfg.zero_stage == 3:
+        if self.lora:  # a PEFT adapter directory over the base model (actors/lora.py); every rank exports
+            tensors = [t for bucket in self.export_weights(bucket_mb=1 << 20) for t in bucket]
+            if self.rank == 0:
+                lora.save_adapter(path, tensors, self.cfg.lora, os.path.abspath(self.model_path)
+                                  if os.path.isdir(self.model_path) else self.model_path)
+        elif self.cfg.zero_stage == 3:
             state = self.engine._zero3_consolidated_16bit_state_dict()  # rank 0's; None on the others
             if self.rank == 0:
                 prefix = "model."
