@@ -73,6 +73,11 @@ def adapter_key(name: str) -> str | None:
     return PEFT_PREFIX + _LORA_SEGMENT.sub(r".\1\2", name)
 
 
+def base_hf_name(name: str) -> str:
+    """A base parameter's Hugging Face name in a model `inject` wrapped (a targeted Linear's `.base_layer` dropped)."""
+    return name.replace(".base_layer.", ".")
+
+
 def param_name(key: str) -> str:
     """The parameter a wire name belongs to in a model `inject` wrapped (inverse of `adapter_key`)."""
     if not key.startswith(PEFT_PREFIX) or not _WIRE_SEGMENT.search(key):

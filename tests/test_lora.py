@@ -27,7 +27,7 @@ PROMPT, TARGET = [5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18]
 
 
 def make_learner(model_dir, lora_cfg=LORA, **overrides):
-    cfg = dict(zero_stage=0, dtype="float32", lr=1e-2, device="cpu", grad_clip=1.0, lora=lora_cfg)
+    cfg = dict(zero_stage=0, dtype="float32", lr=3e-2, device="cpu", grad_clip=1.0, lora=lora_cfg)
     cfg.update(overrides)
     torch.manual_seed(0)  # the adapter's lora_A init
     return Learner(LearnerConfig(**cfg), MODEL_CFG, model_dir, total_steps=10, micro_batch_tokens=256,
@@ -40,10 +40,19 @@ def make_engine(model_dir, lora_cfg=LORA):
     return TransformersEngine(gen, MODEL_CFG, model_dir)
 
 
+def rl_batch(step=0):
+    """One GRPO group after PROMPT: TARGET with advantage +1, another answer with -1."""
+    comps = [TARGET, [20, 21, 22, 23, 24, 25, 26, 27]]
+    group = TrainGroup(prompt_id="p", prompt_tokens=pack_ids(PROMPT), completions=[pack_ids(c) for c in comps],
+                       gen_logprobs=[pack_floats([-5.0] * len(c)) for c in comps], advantages=[1.0, -1.0],
+                       rewards=[1.0, 0.0], policy_version=0)
+    return TrainBatch(step=step, policy_version=0, groups=[group], micro_batches=[[(0, 0), (0, 1)]], minibatches=[[0]])
+
+
 def teach(learner, steps=12):
-    """Adapter steps toward TARGET after PROMPT, so the greedy answer moves."""
+    """GRPO steps toward TARGET after PROMPT (the adapter moves), so the greedy answer moves."""
     for _ in range(steps):
-        learner.sft_step([(PROMPT, TARGET)], lr=3e-2)
+        learner.train_step(rl_batch(learner.step))
 
 
 async def sync(learner, engine, version, bucket_mb=0.01) -> SyncSummary:
@@ -120,12 +129,39 @@ async def test_a_sync_that_moves_no_adapter_tensor_fails_and_keeps_the_version(t
         await engine.finish_weight_update(1)
     assert engine.version == 0
     # and a learner whose filter selects nothing refuses to export instead of sending an empty sync
-    learner._wire_name = lambda name: None
+    learner._wire_name = lambda name, with_base=False: None
     try:
         with pytest.raises(RuntimeError, match="no tensor"):
             list(learner.export_weights(1.0))
     finally:
         del learner._wire_name
+
+
+async def test_a_lora_warm_start_trains_the_base_which_travels_once_then_the_adapter_alone(tiny_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    learner = make_learner(tiny_dir)
+    model = learner.engine.module.model
+    adapter = {k: p.detach().clone() for k, p in lora.adapter_params(model).items()}
+    base = {n: p.detach().clone() for n, p in learner._base_params()}
+    losses = [learner.sft_step([(PROMPT, TARGET)], lr=1e-2) for _ in range(4)]
+    assert losses[-1] < losses[0]
+    assert all(torch.equal(p, adapter[k]) for k, p in lora.adapter_params(model).items())  # B still zero
+    assert sum(not torch.equal(p, base[n]) for n, p in learner._base_params()) > len(base) // 2
+    assert not learner.torch_optimizer.state  # DeepSpeed's optimizer never saw a base parameter
+    engine = make_engine(tiny_dir)
+    first = await sync(learner, engine, 1)  # the warm base travels (HF names) with the adapter, once
+    assert first.num_tensors == len(base) + len(adapter)
+    tokens, logprobs = await greedy(engine)
+    [learner_lp] = learner.logprobs([(PROMPT, tokens)])
+    assert torch.allclose(logprobs, learner_lp.float(), atol=1e-5)
+    learner.train_step(rl_batch())
+    second = await sync(learner, engine, 2)
+    assert second.num_tensors == len(adapter)
+    assert second.nbytes == sum(p.numel() * p.element_size() for p in lora.adapter_params(model).values())
+    learner.save_base(str(tmp_path / "base"))
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).state_dict()
+    assert all(torch.equal(saved[lora.base_hf_name(n)], p.detach()) for n, p in learner._base_params())
 
 
 def grpo_batch(seed, step):
@@ -144,7 +180,6 @@ def grpo_batch(seed, step):
 
 def test_checkpoint_holds_the_adapter_alone_and_resume_reproduces_the_step(tiny_dir, tmp_path):
     run = make_learner(tiny_dir, warmup_ratio=0.5)
-    teach(run, steps=2)  # B moves off zero, so the GRPO steps below have an adapter to move
     run.train_step(grpo_batch(1, 0))
     run.save(str(tmp_path / "ckpt"))
     states = torch.load(next((tmp_path / "ckpt" / "learner").glob("*model_states.pt")), weights_only=False)

@@ -125,6 +125,7 @@ class TransformersEngine(WeightsMixin, Engine):
         # LoRA: adapter tensors arrive under their PEFT names (actors/lora.py); every update must bring all of them
         self._adapter = {lora.adapter_key(n): n for n in self._params if lora.adapter_key(n) is not None}
         self._aliases.update(self._adapter)
+        self._aliases.update({lora.base_hf_name(n): n for n in self._params if ".base_layer." in n})  # a warm base
         self._adapter_loaded: set[str] = set()
         self._shapes = {n: tuple(p.shape) for n, p in self._params.items()}
         self._offloaded: dict[str, torch.Tensor] = {}

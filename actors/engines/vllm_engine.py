@@ -316,8 +316,10 @@ class VLLMEngine(PartialRequests, Engine):
         store transport's worker step, which rebuilds them on each worker's device). LoRA RL: the adapter's
         tensors are staged for finish_weight_update (VLLMAdapter)."""
         if getattr(self, "_adapter", None) is not None:
-            self._adapter.stage(named_tensors)
-            return
+            # adapter tensors are staged; a base tensor (a LoRA warm start's base, once) loads in the workers
+            named_tensors = self._adapter.stage(named_tensors)
+            if not named_tensors:
+                return
         from weights.protocol import TransportKey, in_workers
         from weights.wire import encode_message, flatten_bucket, raw_bytes
 
@@ -329,6 +331,8 @@ class VLLMEngine(PartialRequests, Engine):
 
     async def finish_weight_update(self, version: int) -> None:
         if getattr(self, "_adapter", None) is not None:  # LoRA RL: the staged adapter as a new LoRARequest
+            if self._adapter.take_base_loaded():
+                self.worker_memory = await self._rpc("arl_finish")
             await self._adapter.switch(self.llm, int(version), self._sym_fn("vllm.lora.request.LoRARequest"))
             await self.llm.reset_prefix_cache()  # cached prefixes hold the old adapter's KV
             self.version = int(version)

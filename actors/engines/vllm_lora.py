@@ -10,9 +10,10 @@ Invariants:
 - Each version gets a new adapter id (1, 2, ...), a new directory and a new request; the previous adapter is
   removed from vLLM and its directory deleted only after the new one was added, so a failed add leaves the
   engine on the old adapter and the old version.
-- An update that staged no tensor, a tensor that is not a LoRA adapter tensor, or a set of names other than the
-  previous version's, fails `switch` (one line) before vLLM is touched: a sync that moved nothing never passes
-  for a new policy (verl #7495).
+- An update that staged no adapter tensor, or a set of names other than the previous version's, fails `switch`
+  (one line) before vLLM's adapter is touched: a sync that moved nothing never passes for a new policy (verl
+  #7495). Tensors under Hugging Face names (a LoRA warm start's trained base, in the first sync after it) go
+  to the workers' model as a full sync's do.
 - An export's adapter (`export`) is fixed: one request (id 1) for the engine's life; weight updates are refused.
 - Imports no vLLM: the engine hands `switch` vLLM's LoRARequest class (tests hand a stand-in).
 """
@@ -35,6 +36,7 @@ class VLLMAdapter:
         self.export = bool(export_dir)
         self._ids = itertools.count(1)
         self._staged: list[tuple[str, Any]] = []
+        self._base_loaded = False
         self._names: set[str] | None = None  # the previous version's tensor names
         self.request: Any = None
         self._export_dir = export_dir
@@ -51,12 +53,25 @@ class VLLMAdapter:
             return cls(lora_cfg.rank, model_path, lora_cfg)
         return None
 
-    def stage(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+    def stage(self, named_tensors: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """Stages the adapter's tensors; returns the others (a LoRA warm start's base, under Hugging Face names:
+        the engine loads them into its workers' model, once)."""
         if self.export:
             raise RuntimeError("this engine serves a LoRA export: its adapter is fixed, weight updates are refused")
+        base = []
         for name, t in named_tensors:
-            lora.param_name(name)  # KeyError naming it: a base tensor has no place in an adapter-only update
-            self._staged.append((name, t.detach().to("cpu", copy=True)))
+            if name.startswith(lora.PEFT_PREFIX):
+                lora.param_name(name)  # KeyError naming a malformed adapter name
+                self._staged.append((name, t.detach().to("cpu", copy=True)))
+            else:
+                base.append((name, t))
+        self._base_loaded = self._base_loaded or bool(base)
+        return base
+
+    def take_base_loaded(self) -> bool:
+        """Whether this update loaded base tensors (then reset)."""
+        loaded, self._base_loaded = self._base_loaded, False
+        return loaded
 
     def first_request(self, request_cls: Any) -> Any:
         """An export's request (made once, on the first generate)."""

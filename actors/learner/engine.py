@@ -163,6 +163,7 @@ class LearnerEngine:
                                                      trust_remote_code=model_cfg.trust_remote_code)
         model.config.use_cache = False
         self.lora = lora.enabled(learner_cfg.lora)
+        self.base_changed = False  # a LoRA warm start trained the base since the last export (lora_base.py)
         if self.lora:  # only the adapter trains, so only it reaches the optimizer below (actors/lora.py)
             lora.inject(model, learner_cfg.lora)
         self.liger_kernels = self.use_liger and learner_cfg.liger_kernels and apply_liger_kernels(model)
@@ -283,16 +284,18 @@ class LearnerEngine:
         """HF-named tensors in buckets of about `bucket_mb`, gathered module by module under ZeRO-3.
 
         Tied weights appear once (under their first name, as named_parameters gives them). With
-        learner.lora, the adapter's tensors alone under their PEFT names (actors/lora.py), never the frozen
-        base; an export that found no adapter tensor raises instead of syncing nothing (verl #7495).
+        learner.lora, the adapter's tensors under their PEFT names (actors/lora.py), and the frozen base's
+        only in the first export after a warm start trained it (actors/learner/lora_base.py); an export that
+        found no tensor raises instead of syncing nothing (verl #7495).
         """
         limit = max(1, int(bucket_mb * 2**20))
         model = self.engine.module.model
+        with_base = self.lora and self.base_changed  # the warm start trained the base: it travels once
         seen: set[int] = set()
         bucket: list[tuple[str, torch.Tensor]] = []
         size = count = 0
         for mod_name, module in model.named_modules():
-            own = [(self._wire_name(f"{mod_name}.{n}" if mod_name else n), p)
+            own = [(self._wire_name(f"{mod_name}.{n}" if mod_name else n, with_base), p)
                    for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
             own = [(n, p) for n, p in own if n is not None]
             if not own:
@@ -312,10 +315,16 @@ class LearnerEngine:
         if count == 0:
             raise RuntimeError("export_weights found no tensor to send" + (
                 " (learner.lora: the model holds no adapter parameter)" if self.lora else ""))
+        if with_base:
+            self.base_changed = False
 
-    def _wire_name(self, name: str) -> str | None:
-        """The name a parameter travels under: its HF name, or with LoRA its adapter name (None: the base)."""
-        return lora.adapter_key(name) if self.lora else name
+    def _wire_name(self, name: str, with_base: bool = False) -> str | None:
+        """The name a parameter travels under: its HF name; with LoRA its adapter name, and a base parameter's
+        HF name only `with_base` (None: it stays)."""
+        if not self.lora:
+            return name
+        key = lora.adapter_key(name)
+        return key if key is not None else (lora.base_hf_name(name) if with_base else None)
 
     def state_dict_hf(self) -> dict[str, torch.Tensor]:
         """All weights, HF-named, on CPU (small models and tests)."""
