@@ -16,6 +16,8 @@ Invariants:
 - A generator Ray restarted (initial weights, or another version) gets the current version alone,
   through the object store (`weights.strategy.fallback`) when the transport is collective, while the
   others keep generating.
+- `last_sync_bytes` is what the last sync's sender moved (its SyncSummary; NaN where a collective transport
+  shows none): run_step logs it as the step's `weight_sync_bytes` (with learner.lora, the adapter's bytes).
 - Every call is bounded (actors/coordinator/bounds.py): the health check by HEALTH_TIMEOUT_S (a
   generator still restarting is tried again next round), every other call and each sync step of
   either side by coordinator.call_timeout_s. A sync step past its bound is not redone: a frozen actor
@@ -110,9 +112,6 @@ class WeightSyncHandshake:
                 self._broadcast_rdv = link.group
         # Bytes the learner sent (with learner.lora: the adapter's alone), a scalar of every step that synced
         self.last_sync_bytes = float(link.summary.nbytes) if link.summary is not None else float("nan")
-        if self.log is not None:
-            self.log.info("weight sync", version=version, bytes=self.last_sync_bytes,
-                          tensors=link.summary.num_tensors if link.summary is not None else -1)
 
     async def initial_sync(self, warm_start_metrics: dict[str, float]) -> None:
         """Before the first step. Colocated, the learner goes to sleep first (optimizer state to the host

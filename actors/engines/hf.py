@@ -26,6 +26,9 @@ Invariants:
   accepted and is a no-op. Parameters keep their identity across sleep (only `.data` is
   swapped), so tied embeddings stay tied.
 - Weights only change between decode steps (one lock guards the model).
+- LoRA: with generator.lora the model carries the learner's adapter (actors/lora.py, the same peft layers), so
+  it computes as the learner does; adapter tensors load under their PEFT names, a warm base's under its Hugging
+  Face names. A LoRA export (a PEFT adapter directory) is served as its base with the adapter in it.
 - Partial rollouts: `interrupt()` parks every running request at its next decode step (its rows
   keep their tokens, log-probs and per-token versions; the KV cache is dropped) and starts no new
   batch; it returns once nothing decodes, so weights can be loaded. `continue_interrupted()` puts

@@ -12,6 +12,10 @@ Invariants:
 - `export_weights` yields HF-named tensors module by module; under ZeRO-3 it is collective (every
   rank must iterate it in lockstep) and never holds more than one module gathered at once.
 - `sleep` frees accelerator memory between steps and `wake` restores it exactly (the weights stay).
+- learner.lora (actors/lora.py): the model carries a peft adapter and only its parameters have gradients and
+  are in the optimizer; `export_weights` yields the adapter's tensors under their PEFT names (the frozen base
+  only once after a warm start trained it, actors/learner/lora_base.py), a checkpoint holds the adapter and its
+  optimizer state without the frozen base, and `export_hf` writes a PEFT adapter directory naming the base.
 """
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ held out of them), never the adapter. A mixin of actors/learner/learner.py's Lea
 
 Invariants:
 - A base step changes base parameters only (the adapter's B stays zero, so the model's output is the base's),
-  with a plain AdamW of its own (the learner's betas and weight decay, `lr` as given, gradients clipped at
-  learner.grad_clip, averaged over the ranks), held only until `save_base`: RL never holds base optimizer state,
+  with a plain AdamW of its own over fp32 masters of the base (the learner's betas and weight decay, `lr` as
+  given, gradients clipped at learner.grad_clip, summed over the ranks' shares), held only until `save_base`: RL never holds base optimizer state,
   and DeepSpeed's optimizer never sees a base parameter. ZeRO-3 (a partitioned base) is refused by name.
 - After a base step, the next weight export carries the base's tensors (under their Hugging Face names) before
   the adapter's, once: the engines get the warm base in the first sync after the warm start, and only the
@@ -30,6 +30,7 @@ BASE_MARKER = "arl_warm_base.json"  # beside the weights save_base wrote: how ma
 
 class LoraBase:
     _base_opt: Any = None
+    _base_master: Any = None
     _base_steps: int = 0
 
     def _base_params(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -44,8 +45,9 @@ class LoraBase:
                                "use learner.zero_stage <= 2 (or model.tiny_sft_steps=0)")
         base = [p for _, p in self._base_params()]
         adapter = [p for p in self.head.model.parameters() if p.requires_grad]
-        if self._base_opt is None:
-            self._base_opt = torch.optim.AdamW(base, lr=lr or self.cfg.lr, betas=tuple(self.cfg.betas),
+        if self._base_opt is None:  # fp32 masters of bf16 weights, as DeepSpeed's bf16 optimizer keeps them
+            self._base_master = [p.detach().float().clone() if p.dtype != torch.float32 else p for p in base]
+            self._base_opt = torch.optim.AdamW(self._base_master, lr=lr or self.cfg.lr, betas=tuple(self.cfg.betas),
                                                weight_decay=self.cfg.weight_decay)
         for g in self._base_opt.param_groups:
             g["lr"] = lr or self.cfg.lr
@@ -67,11 +69,16 @@ class LoraBase:
 
                 for g in grads:
                     dist.all_reduce(g)
-            for p, g in zip(base, grads):
-                p.grad = g
+            for m, g in zip(self._base_master, grads):
+                m.grad = g.float() if m.dtype != g.dtype else g
             if self.cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(base, self.cfg.grad_clip)
+                torch.nn.utils.clip_grad_norm_(self._base_master, self.cfg.grad_clip)
             self._base_opt.step()
+            with torch.no_grad():
+                for p, m in zip(base, self._base_master):
+                    m.grad = None
+                    if m is not p:
+                        p.copy_(m)
         finally:
             for p in base:
                 p.grad = None
@@ -87,7 +94,7 @@ class LoraBase:
         start is over). Every rank calls it."""
         import json
 
-        self._base_opt = None
+        self._base_opt = self._base_master = None
         if self.rank == 0:
             model = self.head.model
             state = {base_hf_name(n): p.detach().to("cpu", copy=True).contiguous() for n, p in self._base_params()}
