@@ -174,7 +174,7 @@ def _lora_facts(cfg: RunConfig, shape: ModelShape, facts: dict, notes: list[str]
     facts["weight sync per step (the adapter), MiB"] = round(adapter * b / 2**20, 2)
     notes.append(f"LoRA rank {cfg.learner.lora.rank}: {adapter:,} adapter parameters ({100 * adapter / shape.num_params:.2f} % "
                  f"of the base), the only ones with gradients and optimizer state in RL; the base is frozen and stays out of "
-                 f"checkpoints; each weight sync is the adapter, {adapter * b / 2**20:.1f} MiB (a tiny warm start "
+                 f"checkpoints; each weight sync is the adapter, {adapter * b / 2**20:.2f} MiB (a tiny warm start "
                  f"trains the base first, with an optimizer of its own not planned here, and sends it once)")
 
 
