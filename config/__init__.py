@@ -21,6 +21,7 @@ from config.schema import (
                            GeneratorConfig,
                            LearnerConfig,
                            LoggingConfig,
+                           LoraConfig,
                            ModelConfig,
                            RunConfig,
                            ScorerConfig,
@@ -37,6 +38,6 @@ from config.validate import (
 )
 
 __all__ = ["AssemblerConfig", "ClusterConfig", "ConfigError", "CoordinatorConfig", "DataConfig", "GeneratorConfig",
-           "LearnerConfig", "LoggingConfig", "ModelConfig", "RunConfig", "RunContext", "ScorerConfig", "apply_overrides", "check",
+           "LearnerConfig", "LoggingConfig", "LoraConfig", "ModelConfig", "RunConfig", "RunContext", "ScorerConfig", "apply_overrides", "check",
            "check_attention", "check_inputs", "check_multi_node", "may_be_off_policy", "resolve_correction",
            "to_dict", "validate"]

@@ -99,13 +99,38 @@ def model_shape(cfg: RunConfig) -> ModelShape:
 # Arithmetic
 
 
-def learner_state_gib(cfg: RunConfig, n_params: int, world: int) -> dict[str, float]:
-    """Weights, grads and optimizer states per rank under the ZeRO stage (GiB)."""
+LORA_ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_params(cfg: RunConfig, shape: ModelShape) -> int:
+    """Parameters of learner.lora's adapter (0 when off): rank * (in + out) per targeted projection per layer."""
+    lora = cfg.learner.lora
+    if lora.rank <= 0:
+        return 0
+    h, q, kv, i = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, \
+        shape.intermediate_size
+    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
+            "up_proj": (h, i), "down_proj": (i, h)}
+    targets = LORA_ALL_LINEAR if list(lora.target_modules) == ["all-linear"] else lora.target_modules
+    return shape.num_layers * sum(lora.rank * sum(dims[t]) for t in targets if t in dims)
+
+
+def trainable_params(cfg: RunConfig, shape: ModelShape) -> int:
+    """What has gradients and optimizer state: the adapter with learner.lora, else every parameter."""
+    return lora_params(cfg, shape) if cfg.learner.lora.rank > 0 else shape.num_params
+
+
+def learner_state_gib(cfg: RunConfig, n_params: int, world: int, trainable: int | None = None) -> dict[str, float]:
+    """Weights, grads and optimizer states per rank under the ZeRO stage (GiB). `trainable` (default: all
+    `n_params`) is what has gradients and optimizer state: with learner.lora the adapter alone, whose
+    weights come on top of the frozen base's."""
     stage, b = cfg.learner.zero_stage, DTYPE_BYTES[cfg.learner.dtype]
     optimizer_bytes_per_param = 12 if cfg.learner.dtype == "bfloat16" else 8
-    weights = b * n_params / (world if stage >= 3 else 1)
-    grads = b * n_params / (world if stage >= 2 else 1)
-    optimizer = optimizer_bytes_per_param * n_params / (world if stage >= 1 else 1)
+    trainable = n_params if trainable is None else trainable
+    held = n_params + (trainable if trainable != n_params else 0)
+    weights = b * held / (world if stage >= 3 else 1)
+    grads = b * trainable / (world if stage >= 2 else 1)
+    optimizer = optimizer_bytes_per_param * trainable / (world if stage >= 1 else 1)
     return {"learner weights": weights / GIB, "learner grads": grads / GIB, "learner optimizer": optimizer / GIB}
 
 
@@ -168,7 +193,7 @@ def kv_bytes_per_token(shape: ModelShape, tp: int, bytes_per: int) -> int:
 def learner_asleep_awake_gib(cfg: RunConfig, shape: ModelShape, world: int) -> tuple[dict[str, float], dict[str, float]]:
     """(asleep, awake) components of one learner rank (GiB): launch/plan.py's docstring has the formulas."""
     lr = cfg.learner
-    states = learner_state_gib(cfg, shape.num_params, world)
+    states = learner_state_gib(cfg, shape.num_params, world, trainable_params(cfg, shape))
     asleep = {"learner weights": states["learner weights"]}
     if lr.zero_stage < 3:  # DeepSpeed keeps the gradient buffers of stages 0-2 allocated between steps
         asleep["learner grads"] = states["learner grads"]
@@ -215,7 +240,7 @@ def shared_async_check(cfg: RunConfig) -> str:
     return shared_async_budget(cfg, sum(vllm_awake_gib(cfg, shape).values()), sum(awake.values()) + bucket)
 
 
-def learner_build_gib(cfg: RunConfig, n_params: int, world: int) -> dict[str, float]:
+def learner_build_gib(cfg: RunConfig, n_params: int, world: int, trainable: int | None = None) -> dict[str, float]:
     """What a learner rank holds at the end of its build, before anything sleeps (GiB).
 
     DeepSpeed makes the optimizer's state at build: its bf16 (and ZeRO) optimizers step Adam once on zero
@@ -225,11 +250,12 @@ def learner_build_gib(cfg: RunConfig, n_params: int, world: int) -> dict[str, fl
     parameter (ZeRO-1+: of this rank's partition). A plain fp32 AdamW at ZeRO-0 makes its state lazily (at
     the first step): weights alone then. Measured on the H200 (gpu1_0p6b, 354M parameters): 9.07 GiB
     device-wide after the build, against 8.4 planned here (24 bytes a parameter + the context)."""
-    states = learner_state_gib(cfg, n_params, world)
+    states = learner_state_gib(cfg, n_params, world, trainable)
     if cfg.learner.dtype != "bfloat16" and cfg.learner.zero_stage == 0:
         return {"learner weights": states["learner weights"], "learner CUDA context": CUDA_CONTEXT_GIB}
     part = world if cfg.learner.zero_stage >= 1 else 1
-    return {**states, "optimizer build step (cached)": 8 * n_params / part / GIB,
+    trainable = n_params if trainable is None else trainable
+    return {**states, "optimizer build step (cached)": 8 * trainable / part / GIB,
             "learner CUDA context": CUDA_CONTEXT_GIB}
 
 

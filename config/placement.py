@@ -153,6 +153,13 @@ def resolve_weight_sync(cfg: RunConfig, gpu: bool) -> str:
     asked, mode = cfg.coordinator.weight_sync, cfg.coordinator.mode
     shared = mode == "colocated" or shares_gpus(cfg)
     implied = "object_store" if not gpu else ("cuda_ipc" if shared else "nccl")
+    if cfg.learner.lora.rank > 0:
+        # LoRA: each sync is the adapter alone (megabytes), staged whole in the generator's process and handed
+        # to its engine there (vLLM loads adapters by LoRARequest, not through its workers' model.load_weights)
+        if asked not in ("auto", "object_store"):
+            raise ConfigError(f"config key 'coordinator.weight_sync': learner.lora syncs the adapter alone through "
+                              f"the Ray object store; {asked} moves whole models: use object_store (or auto)")
+        return "object_store"
     if asked == "auto":
         return implied
     where = f"{mode}{' on shared GPUs' if shared and mode == 'async' else ''} on {'GPUs' if gpu else 'CPU'}"

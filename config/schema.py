@@ -104,6 +104,19 @@ class ModelConfig(_Section):
     tiny_sft_look: float = 0.0
 
 
+class LoraConfig(_Section):
+    """LoRA (peft) on the learner's model: rank 0 is off (full fine-tuning). On, only the adapter trains, is in
+    the optimizer, is checkpointed and travels in each weight sync (actors/lora.py)."""
+
+    rank: int = 0  # 0: off
+    alpha: float = 16.0  # the adapter's scale is alpha / rank
+    # > 0 breaks the first update's ratio of 1 (the learner trains with dropout, the engine samples without)
+    dropout: float = 0.0
+    # names of the Linear modules that get an adapter ("all-linear": every Linear but lm_head, as peft says)
+    target_modules: list[str] = msgspec.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
 class GeneratorConfig(_Section):
     engine: Literal["vllm", "transformers", "simulated"] = "vllm"
     num_engines: int = 1
@@ -141,6 +154,8 @@ class GeneratorConfig(_Section):
     tool_workers: int = 2  # the generator's own query processes (tasks/executor.py)
     tool_timeout_s: float = 0.0  # per query; 0: the scorer's timeout_s (resolved in validation)
     tool_max_rows: int = 0  # 0: the scorer's max_rows (resolved in validation)
+    # Not a user key: validate() copies learner.lora here (the engine wraps its model in the same adapter).
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
 
 
 class ScorerConfig(_Section):
@@ -231,6 +246,8 @@ class LearnerConfig(_Section):
     # and the launcher relaunches the run from its latest checkpoint (cluster.max_relaunches). Long enough
     # for the slowest rank of a healthy step to arrive (a checkpoint shard written, a ZeRO-3 load).
     collective_timeout_s: float = 600.0
+    # LoRA RL (issue 39): adapters train, the base stays frozen; each weight sync moves the adapter alone.
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
 
 
 class CoordinatorConfig(_Section):

@@ -55,10 +55,19 @@ def validate(data: dict) -> RunConfig:
     if cfg.learner.loss_agg == "seq-mean-token-sum-norm" and cfg.learner.loss_norm_tokens == 0:
         cfg.learner.loss_norm_tokens = cfg.generator.max_tokens  # Dr.GRPO's constant: the longest answer
     cfg.assembler.max_tokens = cfg.generator.max_tokens  # DAPO's L_max: not a user key
+    resolve_lora(cfg)
     if cfg.assembler.overlong_buffer == 0:
         cfg.assembler.overlong_buffer = max(1, cfg.generator.max_tokens // 4)
     resolve_placement(cfg)
     return cfg
+
+
+def resolve_lora(cfg: RunConfig) -> None:
+    """learner.lora on: the engines wrap their model in the same adapter (generator.lora, not a user key) and
+    keep the frozen base across sleeps (generator.sleep_level 1: no sync ever brings the base back)."""
+    cfg.generator.lora = msgspec.structs.replace(cfg.learner.lora, target_modules=list(cfg.learner.lora.target_modules))
+    if cfg.learner.lora.rank > 0:
+        cfg.generator.sleep_level = 1
 
 
 def resolve_placement(cfg: RunConfig) -> None:
@@ -131,6 +140,12 @@ def check(cfg: RunConfig) -> None:
     need(cfg.learner.checkpoint_layers >= -1, "learner.checkpoint_layers", "must be -1 (every layer) or >= 0")
     need(0 <= cfg.learner.warmup_ratio < 1, "learner.warmup_ratio", "must be in [0, 1)")
     need(cfg.learner.num_ranks >= 1, "learner.num_ranks", "must be >= 1")
+    lora = cfg.learner.lora
+    need(lora.rank >= 0, "learner.lora.rank", "must be >= 0 (0: off, full fine-tuning)")
+    need(lora.alpha > 0, "learner.lora.alpha", "must be > 0")
+    need(0 <= lora.dropout < 1, "learner.lora.dropout", "must be in [0, 1)")
+    need(lora.rank == 0 or bool(lora.target_modules), "learner.lora.target_modules",
+         "must name at least one module (e.g. q_proj,v_proj, or all-linear)")
     need(cfg.learner.collective_timeout_s > 0, "learner.collective_timeout_s",
          "must be > 0 (seconds a collective may wait for a peer before the run is relaunched)")
     need(cfg.generator.max_turns >= 1, "generator.max_turns", "must be >= 1 (1: one-shot answers)")

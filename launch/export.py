@@ -8,6 +8,8 @@ Invariants:
 - `load_engine` builds the project's own engine classes (actors/engines) over an export, greedy by
   default, max new tokens from the export's settings unless given.
 - A directory that is not a loadable export is one ExportError line naming the path.
+- A LoRA run's export (a PEFT adapter naming its base, actors/lora.py) loads like any other; `python -m
+  launch.export --merge <export> --out <dir>` writes it merged into its base, a plain model directory.
 """
 from __future__ import annotations
 
@@ -77,3 +79,33 @@ def load_engine(model_dir: str | Path, engine: str = "", device: str = "auto", m
     except (OSError, ValueError) as e:
         raise ExportError(f"model directory {model_dir}: cannot load its tokenizer ({str(e).splitlines()[0]})") from None
     return make_engine(gen, model, str(model_dir)), tokenizer, settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m launch.export --merge EXPORT --out DIR`: a LoRA export merged into its base (exit 2: bad input)."""
+    import argparse
+    import sys
+
+    from actors import lora
+
+    p = argparse.ArgumentParser(prog="python -m launch.export", description=main.__doc__)
+    p.add_argument("--merge", required=True, help="a LoRA run's export (runs/<run>/hf/step_<N>)")
+    p.add_argument("--out", required=True, help="the merged model's directory (must not exist)")
+    args = p.parse_args(argv)
+    if not lora.is_adapter_dir(args.merge):
+        print(f"error: {args.merge} is not a LoRA export (no adapter_config.json)", file=sys.stderr)
+        return 2
+    if Path(args.out).exists():
+        print(f"error: {args.out} exists; name a new directory", file=sys.stderr)
+        return 2
+    try:
+        out = lora.merge_export(args.merge, args.out)
+    except (OSError, ValueError) as e:
+        print(f"error: {args.merge}: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(f"merged: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -20,6 +20,8 @@ h = hidden, L = layers, I = intermediate, V = vocab, hd = head_dim, nh/nkv = att
     learner states   = weights b_l*N + grads b_l*N + optimizer k*N, with b_l = bytes of learner.dtype and
                        k = 12 for bf16 mixed precision (fp32 master + 2 fp32 moments), 8 for fp32 (2 moments);
                        ZeRO-1 divides the optimizer by W, ZeRO-2 also the grads, ZeRO-3 also the weights.
+                       learner.lora (rank r): grads and optimizer of the adapter's A = L * sum over targeted
+                       projections of r*(in + out) parameters alone, weights b_l*(N + A); no base state.
     ZeRO-3 gather    = 3 * max(layer params, V*h) * b_l: the running module's full weights, one prefetched
                        module, and the running module's full gradient before its reduce-scatter.
     activations      = with gradient checkpointing: h*T*L*b_l (one checkpointed input per layer) + one layer's
@@ -90,10 +92,12 @@ from config.memory import (
     learner_asleep_awake_gib,
     learner_build_gib,
     learner_state_gib,
+    lora_params,
     model_shape,
     shared_async_budget,
     shared_async_phases,
     startup_and_checkpoint_phases,
+    trainable_params,
     vllm_awake_gib,
 )
 from config.placement import Placement, local_num_cpus, make_placement
@@ -163,16 +167,31 @@ def _cpu_plan(cfg: RunConfig, shape: ModelShape, recipe: str, placement: Placeme
     available = float(cfg.cluster.num_cpus or local_num_cpus(placement, host) or host)
     n = shape.num_params
     world = placement.learner_world_size
-    states = learner_state_gib(cfg, n, world)
+    states = learner_state_gib(cfg, n, world, trainable_params(cfg, shape))
     plan = Plan(recipe, cfg.coordinator.mode, shape, n, cfg.cluster.gpu_memory_gib, 0, world, placements, [],
                 cpu_requested=requested, cpu_available=available, placement=placement)
     plan.facts["model params"] = n
+    _lora_facts(cfg, shape, plan.facts, plan.notes)
     plan.facts["learner states per rank (host RAM), MiB"] = round(sum(states.values()) * 1024, 2)
     plan.facts["generator weights (host RAM), MiB"] = round(n * DTYPE_BYTES[cfg.model.dtype] / GIB * 1024, 2)
     if requested > available + 1e-9:
         plan.errors.append(f"CPU requests sum to {requested:g} but cluster.num_cpus gives {available:g}: "
                            + ", ".join(f"{a.name}={a.num_cpus:g}" for a in placement.actors))
     return plan
+
+
+def _lora_facts(cfg: RunConfig, shape: ModelShape, facts: dict, notes: list[str]) -> None:
+    """learner.lora: the adapter's size, and what it takes out of the learner's states and each sync."""
+    adapter = lora_params(cfg, shape)
+    if not adapter:
+        return
+    b = DTYPE_BYTES[cfg.learner.dtype]
+    facts["LoRA adapter params"] = adapter
+    facts["weight sync per step (the adapter), MiB"] = round(adapter * b / 2**20, 2)
+    notes.append(f"LoRA rank {cfg.learner.lora.rank}: {adapter:,} adapter parameters ({100 * adapter / shape.num_params:.2f} % "
+                 f"of the base), the only ones with gradients and optimizer state in RL; the base is frozen and stays out of "
+                 f"checkpoints; each weight sync is the adapter, {adapter * b / 2**20:.2f} MiB (a tiny warm start "
+                 f"trains the base first, with an optimizer of its own not planned here, and sends it once)")
 
 
 def make_plan(cfg: RunConfig, recipe: str | None = None) -> Plan:
@@ -228,9 +247,9 @@ def make_plan(cfg: RunConfig, recipe: str | None = None) -> Plan:
                       f"tokens < one max-length sequence of {max_seq} (data.max_prompt_tokens + generator.max_tokens)")
 
     # learner per rank
-    states = learner_state_gib(cfg, n, divisor)
+    states = learner_state_gib(cfg, n, divisor, trainable_params(cfg, shape))
     asleep, awake = learner_asleep_awake_gib(cfg, shape, divisor)
-    build = learner_build_gib(cfg, n, divisor)
+    build = learner_build_gib(cfg, n, divisor, trainable_params(cfg, shape))
     vllm_asleep = {"vLLM CUDA context (asleep)": CUDA_CONTEXT_GIB}
     if gen.sleep_level == 1:
         vllm_asleep["vLLM weights kept (sleep_level 1)"] = vllm_shard
@@ -287,6 +306,7 @@ def make_plan(cfg: RunConfig, recipe: str | None = None) -> Plan:
     notes = [f"learner ZeRO-{lr.zero_stage} over {world} ranks; T = {cfg.assembler.micro_batch_tokens} tokens "
              f"per micro-batch per rank; gradient checkpointing {_checkpointing_note(cfg, shape)}; "
              f"liger {'on' if lr.use_liger else 'off'}"]
+    _lora_facts(cfg, shape, facts, notes)
     if placement.shared:
         notes.append("async on shared GPUs: the engine and the learner rank share each GPU and neither sleeps "
                      "(vLLM's weights and KV cache and the learner's state stay resident; the learner is built and "
@@ -297,7 +317,8 @@ def make_plan(cfg: RunConfig, recipe: str | None = None) -> Plan:
             "weights and KV released while the learner trains (and during a warm start; the learner sleeps "
             "before step 1, the engines before the final checkpoint)" if gen.sleep_level == 2 else
             "planned as keeping vLLM's whole fraction resident (the seed measured ~64 GiB resident and "
-            "an OOM at 32B); prefer sleep_level 2"))
+            "an OOM at 32B); " + ("learner.lora sets it: no sync brings the frozen base back after a level-2 sleep"
+                                  if lr.lora.rank > 0 else "prefer sleep_level 2")))
     if lr.offload_optimizer and not placement.shared:
         per_node = max(sum(1 for nd, _ in learner_gpus if nd == node) for node in range(cl.num_nodes))
         notes.append(f"optimizer offloaded to host RAM while asleep: {states['learner optimizer'] * per_node:.1f} "

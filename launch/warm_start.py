@@ -3,6 +3,8 @@ before RL, so a randomly initialised model writes SQL often enough for GRPO to h
 
 Invariants: it runs only for `model.source == "tiny"` with `model.tiny_sft_steps > 0` (anything else
 returns {} and changes nothing); every step goes through the learner group's `sft_step` (all ranks);
+with learner.lora the steps train the frozen base the adapter then trains over (the same steps as without;
+actors/learner/lora_base.py), which is then saved over the run's model directory (`save_base`);
 the pairs are (prompt ids, " " + target SQL ids + eos), drawn with `seed`, so a rerun is the same.
 With `model.tiny_sft_slip` = p > 0, each drawn pair's target is its template's slip
 (tasks.synthetic.SLIPS: SQL that runs but answers another question) with probability p, drawn anew at
@@ -148,6 +150,11 @@ def warm_start(cfg: RunConfig, learner, items: list, model_path: str, log,
         before, done = done, done + batch_steps
         if done // every > before // every:
             log.info("warm-start", step=done, of=steps, loss=round(sum(losses[-20:]) / len(losses[-20:]), 4))
+    if cfg.learner.lora.rank > 0:
+        # LoRA trains over a frozen base; this warm start built it: it replaces the run's model (the engines Ray
+        # restarts, a relaunched learner and every export's adapter then name the base the adapter trained over)
+        asyncio.run(learner.save_base(model_path))
+        log.info("warm-start base saved", path=str(model_path))
     wall = time.perf_counter() - start
     return {"sft_loss_first": losses[0], "sft_loss_last": sum(losses[-10:]) / len(losses[-10:]),
             "sft_slipped_share": draws.slips / max(draws.drawn, 1), "sft_error_fix_share": draws.fixes / max(draws.drawn, 1),

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 from weights.base import ExportOnly, drive_bucketed_sync, maybe_await
 from weights.protocol import Link, ReceiverStep, SenderStep, Transport, WeightsCall
-from weights.wire import WeightSyncError
+from weights.wire import SyncSummary, WeightSyncError
 
 
 class Start(SenderStep, frozen=True):
@@ -82,8 +82,15 @@ class BucketedTransport(Transport):
 
     async def sync(self, link: Link, version: int, bucket_mb: float) -> None:
         await link.to_sender(self.call(Start(version, bucket_mb)))
+
+        async def next_message() -> Any:
+            message = await link.to_sender(self.call(Next()))
+            if isinstance(message, SyncSummary):
+                link.summary = message  # what the sender moved: the coordinator logs its bytes
+            return message
+
         got = await drive_bucketed_sync(
-            lambda: link.to_sender(self.call(Next())),
+            next_message,
             [lambda m, r=r: maybe_await(r(self.call(Receive(m)))) for r in link.receivers],
             abort=lambda: link.to_sender(self.call(Abort())))
         if got != version:

@@ -109,6 +109,7 @@ class Link:
     receivers: list[Verb]
     group: Any = None
     log: Any = None
+    summary: Any = None  # the sender's SyncSummary of the last sync (tensors, bytes), where the transport sees one
 
     async def to_sender(self, call: WeightsCall) -> Any:
         return await maybe_await(self.send(call))

@@ -280,11 +280,13 @@ class Coordinator:
             self.report.phase(step, "paused", parked=m["interrupted_requests"])
         if trained:
             m["time_weight_sync"] = await self.weights.sync(self.version + 1)
+            m["weight_sync_bytes"] = self.weights.last_sync_bytes
             self.version += 1
             self.report.phase(step, "synced", version=self.version, s=round(m["time_weight_sync"], 3))
         elif colocated and cfg.generator.sleep_level == 2:
             # Level 2 dropped the engine's weights: give back the unchanged ones.
             m["time_weight_sync"] = await self.weights.sync(self.version)
+            m["weight_sync_bytes"] = self.weights.last_sync_bytes
         await self.generators.set_version(self.version)
         if colocated:
             t = time.perf_counter()

@@ -2,7 +2,8 @@
 launch.eval / launch.serve read (launch/export.py loads an export into an engine).
 
 Layout: <run_dir>/hf/step_<N>/ holds the weights after N training steps as transformers and vLLM
-load them (safetensors, config.json, generation_config.json, tokenizer files) plus `arctic_rl.json`:
+load them (safetensors, config.json, generation_config.json, tokenizer files; a LoRA run's: the PEFT
+adapter, adapter_config.json naming its base + adapter_model.safetensors, see actors/lora.py) plus `arctic_rl.json`:
 how training rendered prompts and sampled (prompt style, schema sample values, prompt budget, chat
 template, max new tokens, stop strings), which `launch.eval --model` and `launch.serve` reuse.
 
@@ -31,6 +32,7 @@ from typing import Any
 from config import RunConfig, layout
 
 SETTINGS_FILE = "arctic_rl.json"
+ADAPTER_CONFIG = "adapter_config.json"  # actors/lora.py's (a LoRA run exports its adapter, not a whole model)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # Files of the source model directory an export needs besides the weights and config.
 _SIDE_FILES = ("tokenizer", "special_tokens", "vocab", "merges", "added_tokens", "chat_template", "generation_config",
@@ -73,8 +75,9 @@ def commit_export(tmp: str | Path, final: str | Path, settings: dict[str, Any],
     `source` model directory the writer did not copy) to a fully written temp directory and renames
     it to `final`."""
     tmp, final = Path(tmp), Path(final)
-    if not (tmp / "config.json").is_file():
-        raise ExportError(f"export {tmp} has no config.json: the writer did not finish; nothing was renamed")
+    if not _is_model_dir(tmp):
+        raise ExportError(f"export {tmp} has no config.json (nor adapter_config.json): the writer did not finish; "
+                          f"nothing was renamed")
     if source is not None and Path(source).is_dir():
         for f in Path(source).iterdir():
             if f.is_file() and f.name.startswith(_SIDE_FILES) and not (tmp / f.name).exists():
@@ -88,6 +91,11 @@ def commit_export(tmp: str | Path, final: str | Path, settings: dict[str, Any],
     os.rename(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _is_model_dir(path: Path) -> bool:
+    """A full model (config.json) or a LoRA run's export (a PEFT adapter: adapter_config.json, naming its base)."""
+    return (path / "config.json").is_file() or (path / ADAPTER_CONFIG).is_file()
 
 
 def write_atomic(path: str | Path, text: str) -> None:
@@ -177,9 +185,9 @@ def prune_exports(hf_root: str | Path, keep: int) -> list[Path]:
 def read_settings(model_dir: str | Path) -> dict[str, Any]:
     """The export's inference settings over DEFAULT_SETTINGS (ExportError for a non-model directory)."""
     path = Path(model_dir)
-    if not (path / "config.json").is_file():
+    if not _is_model_dir(path):
         raise ExportError(f"model directory {path} has no config.json (expected a Hugging Face export, "
-                          f"e.g. runs/<run>/hf/step_<N>)")
+                          f"e.g. runs/<run>/hf/step_<N>, or a LoRA adapter export with adapter_config.json)")
     settings = dict(DEFAULT_SETTINGS)
     f = path / SETTINGS_FILE
     if f.is_file():

@@ -29,6 +29,8 @@ Invariants:
   coordinator then waited 39 s with nothing logged.)
 - A generator whose engine died under it (vLLM's engine core: health's `engine_dead`) is restarted in place,
   with a warning naming it and the engine's error: left alone it would fail every group it takes.
+- `last_sync_bytes` is what the last sync's sender moved (its SyncSummary; NaN where a collective transport
+  shows none): the step logs it as `weight_sync_bytes` (with learner.lora, the adapter's bytes).
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ class WeightSync:
         self.cfg, self.learner, self.generators, self.log = cfg, learner, generators, log
         self.group = None  # nccl: the rendezvous of the group every generator joined
         self.resyncs = 0  # generators resynced by heal (saved with the cursor)
+        self.last_sync_bytes = float("nan")  # what the last sync's sender moved (its SyncSummary)
         self._silence: dict[str, list] = {}  # generator label -> [silent since (monotonic), restarted in place]
 
     async def heal(self, version: int, timeout_s: float = HEALTH_TIMEOUT_S) -> int:
@@ -181,3 +184,5 @@ class WeightSync:
         finally:
             if collective:
                 self.group = link.group
+        # Bytes the learner sent (with learner.lora: the adapter's alone), a scalar of every step that synced
+        self.last_sync_bytes = float(link.summary.nbytes) if link.summary is not None else float("nan")

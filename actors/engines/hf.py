@@ -26,6 +26,9 @@ Invariants:
   accepted and is a no-op. Parameters keep their identity across sleep (only `.data` is
   swapped), so tied embeddings stay tied.
 - Weights only change between decode steps (one lock guards the model).
+- LoRA: with generator.lora the model carries the learner's adapter (actors/lora.py, the same peft layers), so
+  it computes as the learner does; adapter tensors load under their PEFT names, a warm base's under its Hugging
+  Face names. A LoRA export (a PEFT adapter directory) is served as its base with the adapter in it.
 - Partial rollouts: `interrupt()` parks every running request at its next decode step (its rows
   keep their tokens, log-probs and per-token versions; the KV cache is dropped) and starts no new
   batch; it returns once nothing decodes, so weights can be loaded. `continue_interrupted()` puts
@@ -43,6 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from actors import lora
 from actors.dtypes import torch_dtype
 from actors.engines.base import (
     Engine,
@@ -97,10 +101,15 @@ class TransformersEngine(WeightsMixin, Engine):
         trust, local_only = model_cfg.trust_remote_code, not model_cfg.allow_download
         self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.tokenizer or model_path, trust_remote_code=trust,
                                                        local_files_only=local_only)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=self.dtype, attn_implementation=model_cfg.attn_implementation,
-            trust_remote_code=trust, local_files_only=local_only,
-        ).to(self.device).eval()
+        load_kw = dict(dtype=self.dtype, attn_implementation=model_cfg.attn_implementation, trust_remote_code=trust,
+                       local_files_only=local_only)
+        if lora.is_adapter_dir(model_path):  # a LoRA export: its base with the adapter in it (eval, serve)
+            self.model = lora.load_adapter_model(model_path, **load_kw)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, **load_kw)
+            if lora.enabled(generator_cfg.lora):  # LoRA RL: the learner's adapter, synced alone
+                lora.inject(self.model, generator_cfg.lora)
+        self.model = self.model.to(self.device).eval()
         conf = self.model.config
         self.max_model_len = int(getattr(conf, "max_position_embeddings", 1 << 30))
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
@@ -120,6 +129,11 @@ class TransformersEngine(WeightsMixin, Engine):
         by_id = {id(p): n for n, p in self._params.items()}
         for n, p in self.model.named_parameters(remove_duplicate=False):
             self._aliases[n] = by_id[id(p)]
+        # LoRA: adapter tensors arrive under their PEFT names (actors/lora.py); every update must bring all of them
+        self._adapter = {lora.adapter_key(n): n for n in self._params if lora.adapter_key(n) is not None}
+        self._aliases.update(self._adapter)
+        self._aliases.update({lora.base_hf_name(n): n for n in self._params if ".base_layer." in n})  # a warm base
+        self._adapter_loaded: set[str] = set()
         self._shapes = {n: tuple(p.shape) for n, p in self._params.items()}
         self._offloaded: dict[str, torch.Tensor] = {}
         self._sleep_level = 0

@@ -6,6 +6,9 @@ Invariants (see actors/engines/hf.py for the whole engine):
   tensor is owed by load_weights and finish_weight_update refuses until all arrived.
 - Parameters keep their identity (only `.data` is swapped), so tied embeddings stay tied.
 - Weights change only under the model lock, i.e. between decode steps.
+- LoRA (generator.lora, or a LoRA export): the model holds the learner's adapter; each update must load every
+  adapter tensor (by its PEFT name) before finish_weight_update takes the new version, so a sync that moved
+  none of them fails instead of leaving the old policy in place under a new version number.
 """
 from __future__ import annotations
 
@@ -69,10 +72,17 @@ class WeightsMixin:
                 with torch.no_grad():
                     param.data.copy_(tensor.to(device=param.device, dtype=param.dtype))
                 self._unloaded.discard(canonical)
+                if name in self._adapter:
+                    self._adapter_loaded.add(name)
 
     async def finish_weight_update(self, version: int) -> None:
         if self._unloaded:
             raise RuntimeError(f"finish_weight_update({version}): {len(self._unloaded)} tensors were never loaded "
                                f"since the level-2 wake (e.g. {sorted(self._unloaded)[0]})")
+        missing = sorted(set(self._adapter) - self._adapter_loaded)
+        self._adapter_loaded = set()
+        if missing:  # a sync that moved no (or part of the) adapter must not pass for a new policy (verl #7495)
+            raise RuntimeError(f"finish_weight_update({version}): the update brought {len(self._adapter) - len(missing)} "
+                               f"of the adapter's {len(self._adapter)} tensors (e.g. {missing[0]} is missing)")
         self.version = int(version)
 

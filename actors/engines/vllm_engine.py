@@ -28,6 +28,10 @@ Invariants:
   a key that is not an AsyncEngineArgs field is an error naming it, never silently dropped.
 - Partial rollouts (async mode): after `enable_partial()` a group is n streaming requests that a
   weight update interrupts and resubmits with their tokens appended (actors/engines/vllm_partial.py).
+- LoRA (actors/engines/vllm_lora.py): with generator.lora the engine serves the learner's adapter over the
+  base (enable_lora): each weight update stages the adapter's tensors in this process, writes them as a PEFT
+  directory and swaps in a new LoRARequest (a new adapter id per version, the old one removed); every request
+  carries the current one. A LoRA export is served the same way, its adapter over the base it names.
 - vLLM is imported lazily; `VLLM_API` below lists every vLLM symbol and parameter this file
   uses, and tests/unit/test_vllm_adapter.py checks exactly that list against the installed vLLM.
 """
@@ -44,6 +48,7 @@ import time
 from typing import Any, Iterable, Mapping
 
 from actors.engines.base import Engine, check_wake_tags, prompt_ids, resolve_sampling
+from actors.engines.vllm_lora import VLLMAdapter
 from actors.engines.vllm_partial import PartialRequests
 from config import GeneratorConfig, ModelConfig
 from queues.messages import PromptTask, RolloutGroup, Sample, pack_floats, pack_ids
@@ -54,14 +59,18 @@ log = logging.getLogger(__name__)
 VLLM_API: list[tuple[str, tuple[str, ...]]] = [
     ("vllm.AsyncEngineArgs", ("model", "tokenizer", "dtype", "tensor_parallel_size", "gpu_memory_utilization",
                               "enable_prefix_caching", "enforce_eager", "enable_sleep_mode", "seed",
-                              "trust_remote_code", "worker_extension_cls", "logprobs_mode")),
+                              "trust_remote_code", "worker_extension_cls", "logprobs_mode", "enable_lora",
+                              "max_lora_rank", "max_loras")),
     ("vllm.SamplingParams", ("n", "temperature", "top_p", "top_k", "max_tokens", "stop", "logprobs", "seed",
                              "skip_special_tokens", "output_kind")),
     ("vllm.inputs.TokensPrompt", ("prompt_token_ids",)),
     ("vllm.sampling_params.RequestOutputKind.FINAL_ONLY", ()),
     ("vllm.sampling_params.RequestOutputKind.DELTA", ()),
     ("vllm.v1.engine.async_llm.AsyncLLM.from_engine_args", ("engine_args",)),
-    ("vllm.v1.engine.async_llm.AsyncLLM.generate", ("prompt", "sampling_params", "request_id")),
+    ("vllm.v1.engine.async_llm.AsyncLLM.generate", ("prompt", "sampling_params", "request_id", "lora_request")),
+    ("vllm.lora.request.LoRARequest", ("lora_name", "lora_int_id", "lora_path")),
+    ("vllm.v1.engine.async_llm.AsyncLLM.add_lora", ("lora_request",)),
+    ("vllm.v1.engine.async_llm.AsyncLLM.remove_lora", ("lora_id",)),
     ("vllm.v1.engine.async_llm.AsyncLLM.abort", ("request_id",)),
     ("vllm.v1.engine.async_llm.AsyncLLM.sleep", ("level",)),
     ("vllm.v1.engine.async_llm.AsyncLLM.wake_up", ("tags",)),
@@ -106,8 +115,21 @@ def engine_arg_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(_sym("vllm.AsyncEngineArgs"))}
 
 
-def build_engine_args(generator_cfg: GeneratorConfig, model_cfg: ModelConfig, model_path: str, known_fields: set[str]) -> dict[str, Any]:
-    """The AsyncEngineArgs keyword dict: ours, then the user's engine_kwargs over them.
+# vLLM's accepted max_lora_rank values (a LoRA of rank r is served by the smallest one >= r)
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"learner.lora.rank={rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
+    return fits[0]
+
+
+def build_engine_args(generator_cfg: GeneratorConfig, model_cfg: ModelConfig, model_path: str, known_fields: set[str],
+                      lora_rank: int = 0) -> dict[str, Any]:
+    """The AsyncEngineArgs keyword dict: ours, then the user's engine_kwargs over them. With `lora_rank` > 0
+    the engine serves LoRA adapters (one at a time) of up to that rank.
     Raises ValueError naming any key vLLM's AsyncEngineArgs does not have."""
     args: dict[str, Any] = {
         "model": model_path,
@@ -123,6 +145,8 @@ def build_engine_args(generator_cfg: GeneratorConfig, model_cfg: ModelConfig, mo
         "worker_extension_cls": "actors.engines.vllm_worker.WeightLoaderExtension",
         "logprobs_mode": "processed_logprobs",
     }
+    if lora_rank > 0:
+        args.update(enable_lora=True, max_lora_rank=vllm_lora_rank(lora_rank), max_loras=1)
     user = plain(generator_cfg.engine_kwargs or {})
     if not isinstance(user, dict):
         raise ValueError(f"generator.engine_kwargs must be a mapping, got {type(generator_cfg.engine_kwargs).__name__}")
@@ -191,7 +215,14 @@ class VLLMEngine(PartialRequests, Engine):
         self.version = 0
         ensure_sampler_env()
         ensure_spawn_env()
-        args = build_engine_args(generator_cfg, model_cfg, model_path, engine_arg_fields())
+        self._adapter = VLLMAdapter.for_engine(generator_cfg, model_path)
+        base = self._adapter.base_model if self._adapter is not None else model_path
+        args = build_engine_args(generator_cfg, model_cfg, base, engine_arg_fields(),
+                                 lora_rank=self._adapter.rank if self._adapter is not None else 0)
+        if self._adapter is not None and self._adapter.export and not model_cfg.tokenizer:
+            args["tokenizer"] = model_path  # the export holds the run's tokenizer files
+        if self._adapter is not None and not self._adapter.export:
+            self.loads_in_workers = False  # LoRA RL: adapters arrive here whole, by LoRARequest (VLLMAdapter)
         AsyncEngineArgs = _sym("vllm.AsyncEngineArgs")
         self.llm = _sym("vllm.v1.engine.async_llm.AsyncLLM.from_engine_args")(AsyncEngineArgs(**args))
         hf_config = getattr(getattr(self.llm, "model_config", None), "hf_config", None)
@@ -235,7 +266,8 @@ class VLLMEngine(PartialRequests, Engine):
         self._m["requests"] += 1
         final = None
         try:
-            async for out in self.llm.generate(prompt=prompt, sampling_params=params, request_id=request_id):
+            async for out in self.llm.generate(prompt=prompt, sampling_params=params, request_id=request_id,
+                                               **self._lora_kw()):
                 final = out
         finally:
             self._inflight.discard(request_id)
@@ -273,9 +305,23 @@ class VLLMEngine(PartialRequests, Engine):
         """One per tensor-parallel rank: each takes its own rank in a broadcast group."""
         return int(self.cfg.tensor_parallel_size)
 
+    def _lora_kw(self) -> dict[str, Any]:
+        """generate()'s adapter: the current version's (LoRA RL) or the export's; {} without LoRA."""
+        adapter = self._adapter
+        if adapter is not None and adapter.export:
+            adapter.first_request(self._sym_fn("vllm.lora.request.LoRARequest"))
+        request = adapter.request if adapter is not None else None
+        return {"lora_request": request} if request is not None else {}
+
     async def load_weights(self, named_tensors: Iterable[tuple[str, Any]], version: int) -> None:
         """Plain bytes: the bucket flattened on the CPU, its plan, one raw buffer per dtype (the object
-        store transport's worker step, which rebuilds them on each worker's device)."""
+        store transport's worker step, which rebuilds them on each worker's device). LoRA RL: the adapter's
+        tensors are staged for finish_weight_update (VLLMAdapter)."""
+        if self._adapter is not None:
+            # adapter tensors are staged; a base tensor (a LoRA warm start's base, once) loads in the workers
+            named_tensors = self._adapter.stage(named_tensors)
+            if not named_tensors:
+                return
         from weights.store import load_in_workers
         from weights.wire import flatten_bucket
 
@@ -285,6 +331,13 @@ class VLLMEngine(PartialRequests, Engine):
         await load_in_workers(self, plan, buffers)
 
     async def finish_weight_update(self, version: int) -> None:
+        if self._adapter is not None:  # LoRA RL: the staged adapter as a new LoRARequest
+            if self._adapter.take_base_loaded():
+                self.worker_memory = await self._rpc("arl_finish")
+            await self._adapter.switch(self.llm, int(version), self._sym_fn("vllm.lora.request.LoRARequest"))
+            await self.llm.reset_prefix_cache()  # cached prefixes hold the old adapter's KV
+            self.version = int(version)
+            return
         self.worker_memory = await self._rpc("arl_finish")  # the loads' temporaries back to the device
         await self.llm.reset_prefix_cache()  # cached prefixes hold the old weights' KV
         self.version = int(version)

@@ -126,7 +126,8 @@ class PartialRequests:
         self._m["requests"] += 1
         self._streaming += 1
         try:
-            async for out in self.llm.generate(prompt=prompt, sampling_params=params, request_id=request_id):
+            async for out in self.llm.generate(prompt=prompt, sampling_params=params, request_id=request_id,
+                                               **self._lora_kw()):
                 for c in out.outputs:
                     delta = self._sample_fn(c) if c.token_ids else None
                     if delta is not None:

@@ -12,6 +12,10 @@ Invariants:
 - `export_weights` yields HF-named tensors module by module; under ZeRO-3 it is collective (every
   rank must iterate it in lockstep) and never holds more than one module gathered at once.
 - `sleep` frees accelerator memory between steps and `wake` restores it exactly (the weights stay).
+- learner.lora (actors/lora.py): the model carries a peft adapter and only its parameters have gradients and
+  are in the optimizer; `export_weights` yields the adapter's tensors under their PEFT names (the frozen base
+  only once after a warm start trained it, actors/learner/lora_base.py), a checkpoint holds the adapter and its
+  optimizer state without the frozen base, and `export_hf` writes a PEFT adapter directory naming the base.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from typing import Any, Iterator
 import structlog
 import torch
 
+from actors import lora
 from actors.dtypes import torch_dtype
 from actors.learner import attention, attention_flex
 from actors.learner.logprob_head import (
@@ -166,6 +171,10 @@ class LearnerEngine:
                                                      attn_implementation=self.attn_implementation,
                                                      trust_remote_code=model_cfg.trust_remote_code)
         model.config.use_cache = False
+        self.lora = lora.enabled(learner_cfg.lora)
+        self.base_changed = False  # a LoRA warm start trained the base since the last export (lora_base.py)
+        if self.lora:  # only the adapter trains, so only it reaches the optimizer below (actors/lora.py)
+            lora.inject(model, learner_cfg.lora)
         self.liger_kernels = self.use_liger and learner_cfg.liger_kernels and apply_liger_kernels(model)
         if learner_cfg.gradient_checkpointing:
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name warns
@@ -199,7 +208,9 @@ class LearnerEngine:
         self.step = 0
         self.ref_model = self._build_ref_model() if learner_cfg.kl_coef > 0 else None
         self.asleep = False
-        log.info("learner.ready", zero_stage=learner_cfg.zero_stage, dtype=learner_cfg.dtype, device=str(self.device),
+        trainable = sum(p.numel() for p in params)
+        log.info("learner.ready", trainable_params=trainable, lora_rank=learner_cfg.lora.rank if self.lora else 0,
+                 zero_stage=learner_cfg.zero_stage, dtype=learner_cfg.dtype, device=str(self.device),
                  world_size=self.world_size, attn=self.attn_implementation, temperature=self.temperature)
 
     # ------------------------------------------------------------------ setup
@@ -281,28 +292,48 @@ class LearnerEngine:
     def export_weights(self, bucket_mb: float = 512, device: str = "cpu") -> Iterator[list[tuple[str, torch.Tensor]]]:
         """HF-named tensors in buckets of about `bucket_mb`, gathered module by module under ZeRO-3.
 
-        Tied weights appear once (under their first name, as named_parameters gives them).
+        Tied weights appear once (under their first name, as named_parameters gives them). With
+        learner.lora, the adapter's tensors under their PEFT names (actors/lora.py), and the frozen base's
+        only in the first export after a warm start trained it (actors/learner/lora_base.py); an export that
+        found no tensor raises instead of syncing nothing (verl #7495).
         """
         limit = max(1, int(bucket_mb * 2**20))
         model = self.engine.module.model
+        with_base = self.lora and self.base_changed  # the warm start trained the base: it travels once
         seen: set[int] = set()
         bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
+        size = count = 0
         for mod_name, module in model.named_modules():
-            own = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+            own = [(self._wire_name(f"{mod_name}.{n}" if mod_name else n, with_base), p)
+                   for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+            own = [(n, p) for n, p in own if n is not None]
             if not own:
                 continue
             with self._gathered([p for _, p in own]):
                 for n, p in own:
                     seen.add(id(p))
                     t = p.detach().to(device=device, dtype=self.dtype, copy=True)
-                    bucket.append((f"{mod_name}.{n}" if mod_name else n, t))
+                    bucket.append((n, t))
                     size += t.numel() * t.element_size()
+                    count += 1
             if size >= limit:
                 yield bucket
                 bucket, size = [], 0
         if bucket:
             yield bucket
+        if count == 0:
+            raise RuntimeError("export_weights found no tensor to send" + (
+                " (learner.lora: the model holds no adapter parameter)" if self.lora else ""))
+        if with_base:
+            self.base_changed = False
+
+    def _wire_name(self, name: str, with_base: bool = False) -> str | None:
+        """The name a parameter travels under: its HF name; with LoRA its adapter name, and a base parameter's
+        HF name only `with_base` (None: it stays)."""
+        if not self.lora:
+            return name
+        key = lora.adapter_key(name)
+        return key if key is not None else (lora.base_hf_name(name) if with_base else None)
 
     def state_dict_hf(self) -> dict[str, torch.Tensor]:
         """All weights, HF-named, on CPU (small models and tests)."""
@@ -320,8 +351,10 @@ class LearnerEngine:
                 self.sleep()
         os.makedirs(path, exist_ok=True)
         # Collective: each rank writes its own shard (ZeRO 1-3: its optimizer partition).
+        # With LoRA the frozen base stays out (it is the model directory's): the adapter and its optimizer only.
         self.engine.save_checkpoint(path, tag="learner", client_state={
-            "learner_step": self.step, "scheduler": self.scheduler.state_dict(), "world_size": self.world_size})
+            "learner_step": self.step, "scheduler": self.scheduler.state_dict(), "world_size": self.world_size},
+            exclude_frozen_parameters=self.lora)
         if self.rank == 0:
             with open(os.path.join(path, WORLD_FILE), "w") as f:
                 json.dump({"world_size": self.world_size, "zero_stage": self.cfg.zero_stage}, f)
@@ -344,7 +377,8 @@ class LearnerEngine:
             raise ValueError(f"learner checkpoint {path} was saved by {saved} learner rank(s); this run has "
                              f"learner.num_ranks={self.world_size}: resume with learner.num_ranks={saved}")
         load_path, client = self.engine.load_checkpoint(path, tag="learner", load_optimizer_states=True,
-                                                        load_lr_scheduler_states=False)
+                                                        load_lr_scheduler_states=False,
+                                                        load_module_strict=not self.lora)
         if load_path is None:
             raise FileNotFoundError(f"no learner checkpoint under {path!r}")
         self.scheduler.load_state_dict(client["scheduler"])
@@ -356,7 +390,12 @@ class LearnerEngine:
         Every rank calls it (the ZeRO-3 consolidation is collective); rank 0 writes."""
         os.makedirs(path, exist_ok=True)
         model = self.engine.module.model
-        if self.cfg.zero_stage == 3:
+        if self.lora:  # a PEFT adapter directory over the base model (actors/lora.py); every rank exports
+            tensors = [t for bucket in self.export_weights(bucket_mb=1 << 20) for t in bucket]
+            if self.rank == 0:
+                lora.save_adapter(path, tensors, self.cfg.lora, os.path.abspath(self.model_path)
+                                  if os.path.isdir(self.model_path) else self.model_path)
+        elif self.cfg.zero_stage == 3:
             state = self.engine._zero3_consolidated_16bit_state_dict()  # rank 0's; None on the others
             if self.rank == 0:
                 prefix = "model."

@@ -176,6 +176,10 @@ class LearnerGroup:
     async def export_hf(self, path: str) -> str:
         return (await self._all(lambda r: r.export_hf, path))[0]
 
+    async def save_base(self, path: str) -> str:
+        """learner.lora after the warm start: the trained base as a model directory (rank 0 writes)."""
+        return (await self._all(lambda r: r.save_base, path))[0]
+
     async def memory(self) -> dict:
         """Rank 0's device memory (GiB, peaks since the last call; {} on CPU)."""
         return await self._rank0(lambda r: r.memory)

@@ -47,6 +47,7 @@ import structlog
 import torch
 
 from actors.learner.engine import LearnerEngine
+from actors.learner.lora_base import LoraBase
 from policies.grpo import policy_loss
 from policies.packing import PackedBatch, pack, plan_micro_batches
 from policies.prefix import group_runs, pack_shared
@@ -56,7 +57,7 @@ from queues.messages import TrainBatch, unpack_floats, unpack_ids, unpack_loss_m
 log = structlog.get_logger("arctic_rl.learner")
 
 
-class Learner(LearnerEngine):
+class Learner(LoraBase, LearnerEngine):
     """DeepSpeed GRPO learner rank. See the module docstring for what it guarantees."""
 
     # ------------------------------------------------------------------ this rank's share
@@ -298,6 +299,8 @@ class Learner(LearnerEngine):
                   for mb in plan]
         total = float(sum(it["packed"].num_loss_tokens for it in packed))
         share = self._share(packed, use_gen=False)
+        if self.lora:  # the warm start builds the frozen base LoRA trains over (actors/learner/lora_base.py)
+            return self._base_sft_step(share, total, lr)
         old_lrs = [g["lr"] for g in self.torch_optimizer.param_groups]
         if lr is not None:
             for g in self.torch_optimizer.param_groups:

@@ -227,6 +227,9 @@ class LearnerShell:
     def export_hf(self, path: str) -> str:
         return self.learner.export_hf(path)
 
+    def save_base(self, path: str) -> str:
+        return self.learner.save_base(path)
+
     def memory(self) -> dict:
         return self.learner.memory()
 

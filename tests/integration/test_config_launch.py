@@ -28,7 +28,7 @@ def test_cli_bad_key_is_one_line_and_exit_2():
     out = _cli("tiny", "generator.n_sample=4")
     assert out.returncode == 2
     assert out.stderr.strip() == "error: unknown config key 'generator.n_sample'; closest: generator.n_samples, generator.stop, generator.seed"
-    assert _cli("tinyy").stderr.strip() == "error: unknown recipe 'tinyy'; did you mean tiny, tiny_mt, tiny_look?"
+    assert _cli("tinyy").stderr.strip() == "error: unknown recipe 'tinyy'; did you mean tiny, tiny_mt, tiny_lora?"
 
 
 def test_a_local_ray_start_that_timed_out_is_tried_again_fake_ray_init(monkeypatch):
