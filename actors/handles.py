@@ -20,13 +20,17 @@ Invariants:
   bound is killed and restarted (`GeneratorPool.restart`, actors.shell.restart_in_place) and the call made
   once more, within the bound plus call_timeout_s for the new instance to start; once per call, never
   more (past its bound again, the ActorCallTimeout goes to the launcher). Every restart is a warning naming
-  the generator and the call, counted in `GeneratorPool.frozen_restarts`.
+  the generator and the call, counted in `GeneratorPool.frozen_restarts`, and recorded once, by time, in
+  `GeneratorPool.restarted_at`: the heartbeat (actors/coordinator/heartbeat.py) and WeightSync.heal's silence
+  clock both read it, so a restart either of them made is never repeated by the other while the new
+  instance starts.
 - A handle is plain data (actor handles, numbers), so it pickles with what it wraps.
 """
 from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -93,6 +97,7 @@ class GeneratorPool:
         self.control_s = bounds.call_s  # wake, resume, set_version, health, receive_weights
         self.pause_s = bounds.call_s + bounds.pause_s  # sleep, pause: they wait for in-flight requests
         self.frozen_restarts = 0
+        self._restarted_at: dict[str, float] = {}  # generator label -> time.monotonic() of its last restart here
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -115,10 +120,15 @@ class GeneratorPool:
         and why; False, and nothing done, where this pool restarts nothing (the launcher's)."""
         if not self.restart(g):
             return False
+        self._restarted_at[self.label(g)] = time.monotonic()
         self.frozen_restarts += 1
         if self.log is not None:
             self.log.warning(event, generator=self.label(g), call=call, error=error)
         return True
+
+    def restarted_at(self, g: Any) -> float:
+        """time.monotonic() of `g`'s last restart in place (by any caller), 0.0 if never."""
+        return self._restarted_at.get(self.label(g), 0.0)
 
     async def _each(self, pick: Callable[[Any], Any], bound_s: float, *args: Any, targets: list | None = None) -> list:
         """`pick(g)` (one of g's methods) called on every generator (or `targets`) at once, each bounded."""

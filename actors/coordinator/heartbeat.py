@@ -22,6 +22,8 @@ Invariants:
   or being restarted by Ray after a crash (the ping raises) is not judged, so a restart is never
   repeated while the new instance starts. A frozen start is left to the bounded control calls.
 - One answer resets a generator's misses: a ping slowed by load now and then is never a restart.
+- A restart made elsewhere (WeightSync.heal's silence clock, a control call's bound) is read from the pool
+  (`restarted_at`): a generator restarted since its last answer is not judged until it answers again.
 - Every restart is a warning naming the generator and its misses, counted in the pool's
   `frozen_restarts` (saved with the cursor), as the pool's own restarts of a frozen call.
 - Generators without `ping` (plain objects in tests) are not pinged; heartbeat_s = 0 turns it off.
@@ -29,6 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,11 +55,17 @@ class Heartbeat:
     answered: set[int] = field(default_factory=set)  # indices that answered since their (re)start
     last_miss: dict[int, str] = field(default_factory=dict)  # index -> its last miss's one line
     restarts: int = 0
+    # generator -> time.monotonic() of its last restart by anyone (GeneratorPool.restarted_at); 0.0: never
+    restarted_at: Callable[[Any], float] = lambda g: 0.0
+    answered_at: dict[int, float] = field(default_factory=dict)  # index -> when it last answered
 
     async def _ping(self, i: int, g: Any) -> None:
         try:
             await bounded(g.ping, self.timeout_s, self.label(g))
         except ActorCallTimeout as e:
+            if self.restarted_at(g) > self.answered_at.get(i, 0.0):
+                self.answered.discard(i)  # restarted since it last answered (WeightSync.heal): not judged yet
+                self.missed.pop(i, None)
             if i in self.answered:
                 self.missed[i] = self.missed.get(i, 0) + 1
                 self.last_miss[i] = str(e)
@@ -66,6 +75,7 @@ class Heartbeat:
             self.missed.pop(i, None)
             return
         self.answered.add(i)
+        self.answered_at[i] = time.monotonic()
         self.missed.pop(i, None)
 
     async def beat(self) -> list[int]:
@@ -102,7 +112,8 @@ def start_heartbeat(coordinator: Any) -> asyncio.Task | None:
         return pool.restart_in_place(g, "ping", f"{misses} heartbeats missed in a row: {error}",
                                      event="generator frozen (missed heartbeats): restarted in place")
 
-    beat = Heartbeat(pool.actors, restart, pool.label, cc.heartbeat_s, cc.heartbeat_timeout_s, cc.heartbeat_misses)
+    beat = Heartbeat(pool.actors, restart, pool.label, cc.heartbeat_s, cc.heartbeat_timeout_s, cc.heartbeat_misses,
+                     restarted_at=pool.restarted_at)
     coordinator.heartbeat = beat
     return asyncio.create_task(beat.run(), name="generator-heartbeat")
 

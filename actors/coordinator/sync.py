@@ -24,7 +24,9 @@ Invariants:
   (Ray restarting it after its process died, frozen, or overloaded) is a warning naming it and the error,
   its answer again an info line with how long it was silent. Silent past coordinator.call_timeout_s it is
   restarted in place once (GeneratorPool.restart_in_place, the frozen path); silent past twice that again,
-  heal raises ActorCallTimeout naming `generator-<i>.health`, which ends the run as a death does. (The GPU
+  heal raises ActorCallTimeout naming `generator-<i>.health`, which ends the run as a death does. A restart
+  the heartbeat made meanwhile counts as that one restart (GeneratorPool.restarted_at): the clock starts
+  again from it, and the next step is the ActorCallTimeout. (The GPU
   run of 2026-12-05: the engine's memory went 15 s after the last async sync, mid-evaluation, and the
   coordinator then waited 39 s with nothing logged.)
 - A generator whose engine died under it (vLLM's engine core: health's `engine_dead`) is restarted in place,
@@ -65,7 +67,7 @@ class WeightSync:
             try:
                 h = await self.generators.health(g, timeout_s)
             except Exception as e:  # noqa: BLE001 - still restarting (or frozen): said, bounded, next round
-                self._silent(g, e)
+                self._silent(g, e, timeout_s)
                 return False
             self._answered(g)
             if h is None:
@@ -90,16 +92,21 @@ class WeightSync:
             return 0
         return len(lagging)
 
-    def _silent(self, g: Any, error: BaseException) -> None:
+    def _silent(self, g: Any, error: BaseException, timeout_s: float) -> None:
         """A health check `g` did not answer: a warning the first time, a restart in place past
         coordinator.call_timeout_s of silence, ActorCallTimeout past twice that again (module invariant)."""
         label, now = self.generators.label(g), time.monotonic()
         entry = self._silence.get(label)
+        restarted = self.generators.restarted_at(g)
         if entry is None:
             self._silence[label] = entry = [now, False]
             if self.log is not None:
                 self.log.warning("generator not answering its health call (restarting, frozen or dead)",
                                  generator=label, call="health", error=one_line(error))
+            if restarted >= now - timeout_s:
+                entry[:] = [restarted, True]  # restarted during the check (the heartbeat): that was the one restart
+        elif restarted > entry[0]:
+            entry[:] = [restarted, True]  # restarted since (the heartbeat): the new instance's clock, once
         silent, bound = now - entry[0], self.generators.control_s * (2 if entry[1] else 1)
         if silent <= bound:
             return

@@ -22,8 +22,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-from contextlib import nullcontext
 from typing import Any, Iterator
 
 import structlog
@@ -31,7 +29,7 @@ import torch
 
 from actors import lora
 from actors.dtypes import torch_dtype
-from actors.learner import attention, attention_flex
+from actors.learner import attention, attention_flex, weights_out
 from actors.learner.logprob_head import (
     LogProbHead,
     apply_liger_kernels,
@@ -282,58 +280,9 @@ class LearnerEngine:
 
     # ------------------------------------------------------------------ weights and checkpoints
 
-    def _gathered(self, params: list[torch.nn.Parameter]):
-        if self.cfg.zero_stage == 3:
-            import deepspeed
-
-            return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-        return nullcontext()
-
     def export_weights(self, bucket_mb: float = 512, device: str = "cpu") -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """HF-named tensors in buckets of about `bucket_mb`, gathered module by module under ZeRO-3.
-
-        Tied weights appear once (under their first name, as named_parameters gives them). With
-        learner.lora, the adapter's tensors under their PEFT names (actors/lora.py), and the frozen base's
-        only in the first export after a warm start trained it (actors/learner/lora_base.py); an export that
-        found no tensor raises instead of syncing nothing (verl #7495).
-        """
-        limit = max(1, int(bucket_mb * 2**20))
-        model = self.engine.module.model
-        with_base = self.lora and self.base_changed  # the warm start trained the base: it travels once
-        seen: set[int] = set()
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = count = 0
-        for mod_name, module in model.named_modules():
-            own = [(self._wire_name(f"{mod_name}.{n}" if mod_name else n, with_base), p)
-                   for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
-            own = [(n, p) for n, p in own if n is not None]
-            if not own:
-                continue
-            with self._gathered([p for _, p in own]):
-                for n, p in own:
-                    seen.add(id(p))
-                    t = p.detach().to(device=device, dtype=self.dtype, copy=True)
-                    bucket.append((n, t))
-                    size += t.numel() * t.element_size()
-                    count += 1
-            if size >= limit:
-                yield bucket
-                bucket, size = [], 0
-        if bucket:
-            yield bucket
-        if count == 0:
-            raise RuntimeError("export_weights found no tensor to send" + (
-                " (learner.lora: the model holds no adapter parameter)" if self.lora else ""))
-        if with_base:
-            self.base_changed = False
-
-    def _wire_name(self, name: str, with_base: bool = False) -> str | None:
-        """The name a parameter travels under: its HF name; with LoRA its adapter name, and a base parameter's
-        HF name only `with_base` (None: it stays)."""
-        if not self.lora:
-            return name
-        key = lora.adapter_key(name)
-        return key if key is not None else (lora.base_hf_name(name) if with_base else None)
+        """HF-named tensors in buckets of about `bucket_mb` (actors/learner/weights_out.py)."""
+        return weights_out.export_buckets(self, bucket_mb, device)
 
     def state_dict_hf(self) -> dict[str, torch.Tensor]:
         """All weights, HF-named, on CPU (small models and tests)."""
@@ -386,28 +335,8 @@ class LearnerEngine:
         return self.step
 
     def export_hf(self, path: str) -> str:
-        """save_pretrained of the current weights (what a server loads), plus the tokenizer files.
-        Every rank calls it (the ZeRO-3 consolidation is collective); rank 0 writes."""
-        os.makedirs(path, exist_ok=True)
-        model = self.engine.module.model
-        if self.lora:  # a PEFT adapter directory over the base model (actors/lora.py); every rank exports
-            tensors = [t for bucket in self.export_weights(bucket_mb=1 << 20) for t in bucket]
-            if self.rank == 0:
-                lora.save_adapter(path, tensors, self.cfg.lora, os.path.abspath(self.model_path)
-                                  if os.path.isdir(self.model_path) else self.model_path)
-        elif self.cfg.zero_stage == 3:
-            state = self.engine._zero3_consolidated_16bit_state_dict()  # rank 0's; None on the others
-            if self.rank == 0:
-                prefix = "model."
-                state = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
-                model.save_pretrained(path, state_dict=state)
-        elif self.rank == 0:
-            model.save_pretrained(path)
-        if self.rank == 0 and os.path.isdir(self.model_path):
-            for name in os.listdir(self.model_path):
-                if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")) or name == "generation_config.json":
-                    shutil.copy2(os.path.join(self.model_path, name), os.path.join(path, name))
-        return path
+        """save_pretrained of the current weights, or a PEFT adapter directory (actors/learner/weights_out.py)."""
+        return weights_out.export_hf(self, path)
 
     # ------------------------------------------------------------------ colocation
 

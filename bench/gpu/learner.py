@@ -242,6 +242,8 @@ def weight_check(learner, mdir: str) -> dict:
     import torch
     from safetensors.torch import load_file
 
+    from actors.learner import weights_out
+
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     ref = {}
     for f in sorted(glob.glob(os.path.join(mdir, "*.safetensors"))):
@@ -260,7 +262,7 @@ def weight_check(learner, mdir: str) -> dict:
     if not out["tied"]:
         lm = [p for n, p in m.named_parameters() if n == "lm_head.weight"]
         if lm:
-            with learner._gathered(lm):
+            with weights_out.gathered(learner, lm):
                 e = ref.get("model.embed_tokens.weight")
                 out["lm_head_vs_embed_maxabs"] = float((lm[0].detach().to(dev).float() - e.float()).abs().max()) if e is not None else None
     del ref, got

@@ -10,6 +10,7 @@ import torch
 from actors import lora
 from actors.coordinator.export import read_settings
 from actors.engines.hf import TransformersEngine
+from actors.learner import weights_out
 from actors.learner.learner import Learner
 from config import GeneratorConfig, LearnerConfig, LoraConfig, ModelConfig
 from queues.messages import PromptTask, TrainBatch, TrainGroup, pack_floats, pack_ids, unpack_floats, unpack_ids
@@ -128,12 +129,10 @@ async def test_a_sync_that_moves_no_adapter_tensor_fails_and_keeps_the_version(t
         await engine.finish_weight_update(1)
     assert engine.version == 0
     # and a learner whose filter selects nothing refuses to export instead of sending an empty sync
-    learner._wire_name = lambda name, with_base=False: None
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(weights_out, "wire_name", lambda engine, name, with_base=False: None)
         with pytest.raises(RuntimeError, match="no tensor"):
             list(learner.export_weights(1.0))
-    finally:
-        del learner._wire_name
 
 
 async def test_a_lora_warm_start_trains_the_base_which_travels_once_then_the_adapter_alone(tiny_dir, tmp_path):

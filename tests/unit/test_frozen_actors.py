@@ -271,6 +271,31 @@ async def test_fake_generator_still_silent_after_its_restart_ends_the_evaluation
     assert coord.generators.frozen_restarts == 1
 
 
+async def test_fake_generator_the_heartbeat_restarted_is_not_restarted_again_by_heal_s_silence_clock():
+    """The heartbeat and heal's silence clock read one restart record (GeneratorPool.restarted_at): a generator
+    the heartbeat restarted while heal's clock ran counts as restarted once; heal does not restart it again
+    when its own bound passes, and it ends the wait (ActorCallTimeout) past twice call_timeout_s after the
+    heartbeat's restart. Stand-ins (fake): a generator that never answers, restarted or not. Before: heal
+    restarted it a second time, about a second after the heartbeat had."""
+    gen, log = _Generator(frozen=True), _Log()
+    coord = _evaluating_coordinator(gen, log)
+    coord.generators.restart = lambda g: True  # restarted, and silent again
+
+    async def heartbeat_restart():
+        await asyncio.sleep(1.5)  # heal's clock has run 1.5 s of its 2 s bound
+        coord.generators.restart_in_place(gen, "ping", "3 heartbeats missed in a row",
+                                          event="generator frozen (missed heartbeats): restarted in place")
+
+    beat = asyncio.create_task(heartbeat_restart())
+    t0 = time.monotonic()
+    with pytest.raises(ActorCallTimeout) as e:
+        await asyncio.wait_for(coord._eval(), 20)
+    await beat
+    assert str(e.value).startswith("generator-0.health did not return within ")
+    assert coord.generators.frozen_restarts == 1  # the heartbeat's alone
+    assert time.monotonic() - t0 >= 1.5 + 2 * 0.5  # twice call_timeout_s after the heartbeat's restart
+
+
 async def test_an_error_of_the_call_itself_passes_as_is_even_a_timeout_error():
     class Learner:
         async def train_from_stream(self, step):
