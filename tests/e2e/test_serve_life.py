@@ -145,7 +145,9 @@ def test_beyond_loopback_only_the_proxy_is_exposed_it_needs_the_key_and_sigterm_
         health = httpx.get(base + "/healthz", timeout=60)  # answered in the proxy (launch/serve_health.py)
         assert health.status_code == 200 and health.headers["x-arl-healthz"] == "proxy", health.headers
         assert httpx.get(base + "/healthz/x", timeout=60).status_code == 401
-        assert httpx.get(base + "/-/routes", timeout=60).json() == {"/": "arl-sql"}  # no health app
+        assert httpx.get(base + "/-/routes", timeout=60).status_code == 401  # the app names are behind the key
+        routes = httpx.get(base + "/-/routes", headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert routes.json() == {"/": "arl-sql"}  # no health app
         r = httpx.get(base + "/v1/databases", timeout=60)
         assert r.status_code == 401 and r.json() == {"error": "missing API key: send the header 'Authorization: Bearer <key>'"}
         r = httpx.get(base + "/v1/databases", headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
