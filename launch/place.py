@@ -1,5 +1,5 @@
 """Places one run and drives it to its end: creates its actors (launch/create.py), starts their stream
-loops, builds the coordinator, drives the warm start (or the resume), the initial sync and the
+loops, builds the coordinator (its process started beside the others), drives the warm start (or the resume), the initial sync and the
 coordinator's loop, then stops every actor and removes the placement groups.
 
 Restart policy (on the classes, RAY_OPTIONS): generators, scorers and the assembler are restarted by
@@ -63,10 +63,16 @@ def _drive(cfg: RunConfig, ctx: RunContext, model_path: str, train_items: list, 
     loops: list = []
     coordinator = None
     try:
+        bounds = CallBounds.of(cfg)
+        # The coordinator's process starts while the others build (its constructor calls no actor): its
+        # start-up is off the path to the first step.
+        coordinator = CoordinatorHandle(spawn(
+            Coordinator, cfg, ctx, options=dict(name=f"{names}:coordinator", **actor_options(placement.actor("coordinator"), groups)),
+            train_items=train_items, eval_items=eval_items, generators=generators, learner=learner,
+            assembler=assembler), bounds)
         wait_built({**{f"generator-{i}": g for i, g in enumerate(generators)},
                     **{f"scorer-{i}": s for i, s in enumerate(scorers)}, "assembler": assembler,
                     **{f"learner rank {r}": h for r, h in enumerate(learner.ranks)}})
-        bounds = CallBounds.of(cfg)
         pool = GeneratorPool(generators, bounds, restart=never_restart)  # here a frozen generator is a death
         loops += pool.start_loops() + ScorerPool(scorers).start_loops()
         asyncio.run(AssemblerHandle(assembler, bounds).start())
@@ -77,10 +83,6 @@ def _drive(cfg: RunConfig, ctx: RunContext, model_path: str, train_items: list, 
             asyncio.run(pool.started(STARTUP_TIMEOUT_S))
         memory = memory or StartupMemory(log, False)
         memory.mark("engines built", learner, generators)
-        coordinator = CoordinatorHandle(spawn(
-            Coordinator, cfg, ctx, options=dict(name=f"{names}:coordinator", **actor_options(placement.actor("coordinator"), groups)),
-            train_items=train_items, eval_items=eval_items, generators=generators, learner=learner,
-            assembler=assembler), bounds)
         wait_built({"coordinator": coordinator.actor})
         return _drive_coordinator(cfg, Path(ctx.run_dir), model_path, train_items, log, learner, pool,
                                   coordinator, loops, memory, draws)
