@@ -207,6 +207,7 @@ def ensure_spawn_env(environ: dict | None = None) -> bool:
 
 class VLLMEngine(PartialRequests, Engine):
     loads_in_workers = True
+    _adapter: VLLMAdapter | None = None  # LoRA: the learner's adapter or an export's (set in __init__)
     _sym_fn = staticmethod(_sym)
     _sample_fn = staticmethod(sample_from_completion)
 
