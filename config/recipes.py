@@ -285,6 +285,23 @@ def gpu1_0p6b_async() -> RunConfig:
     return cfg
 
 
+@recipe
+def gpu1_0p6b_lora() -> RunConfig:
+    """gpu1_0p6b with LoRA RL (issue 39): a rank-16 adapter (alpha 32) on every attention and MLP projection
+    trains; the base is frozen. The same warm start trains the base (its own AdamW, not planned with RL's),
+    which reaches the engine once, in the first sync; after it every sync moves the adapter alone (16.6 MiB
+    against the base's 0.66 GiB) through the Ray object store into vLLM as a new LoRA adapter id. vLLM sleeps
+    at level 1 (it keeps the frozen base across sleeps: no sync brings it back). RL's rate is 5x gpu1_0p6b's,
+    as tiny_lora's is above tiny's (low-rank updates scaled by alpha / rank). Compared with gpu1_0p6b in one
+    device call: `MODES="lora colocated" python -m bench.gpu.recipe_async` (docs/perf/lora.md)."""
+    cfg = gpu1_0p6b()
+    cfg.name = "gpu1_0p6b_lora"
+    cfg.learner.lora = LoraConfig(rank=16, alpha=32.0)
+    cfg.learner.lr = 1e-3
+    cfg.coordinator.weight_sync = "auto"  # the adapter goes by the object store (cuda_ipc moves whole models)
+    return cfg
+
+
 def get_recipe(name: str) -> RunConfig:
     import difflib
 

@@ -15,6 +15,11 @@ Invariants:
   own ``model.load_weights``, which takes this worker's tensor-parallel shard and fuses q/k/v and
   gate/up, under each tensor's Hugging Face name), ``rank`` (this worker's rank in its engine) and
   ``arl_uuid`` (this GPU's uuid; None: read from the device).
+- Under LoRA (enable_lora) vLLM wraps each LoRA-capable layer in a module that holds the original as
+  ``base_layer`` (its parameters renamed ``<layer>.base_layer.weight``), which ``load_weights`` cannot
+  name. ``arl_load`` puts the originals back in their parents for the load and the wrappers back after,
+  even when the load fails: the same parameter objects are written, so the adapter's layers see the
+  new base (a LoRA warm start's base, in the first sync).
 - ``arl_finish`` hands the allocator's cached blocks (the loads' temporaries) back to the device
   and reports this worker's memory, so a sleep/reload/wake cycle does not keep them.
 - This module imports neither vLLM nor Ray: a test's stand-in worker (a plain object with
@@ -22,7 +27,8 @@ Invariants:
 """
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 
@@ -37,7 +43,9 @@ class WeightLoaderExtension:
     arl_uuid: str | None = None  # this GPU's uuid; None: read from self.device (CPU tests set one)
 
     def arl_load(self, named: list) -> None:
-        self.model_runner.model.load_weights(weights=named)
+        model = self.model_runner.model
+        with lora_unwrapped(model):
+            model.load_weights(weights=named)
 
     def arl_device(self) -> torch.device:
         return torch.device(getattr(self, "device", None) or "cpu")
@@ -56,3 +64,27 @@ class WeightLoaderExtension:
 
     def arl_memory(self, reset_peak: bool = False) -> dict[str, float]:
         return memory_stats(self.arl_device(), reset_peak)
+
+
+def _is_lora_wrapper(module: torch.nn.Module) -> bool:
+    """vLLM's LoRA layer (BaseLayerWithLoRA): the original layer as `base_layer`, LoRA slots set by `set_lora`."""
+    return isinstance(getattr(module, "base_layer", None), torch.nn.Module) and callable(getattr(module, "set_lora", None))
+
+
+@contextmanager
+def lora_unwrapped(model: torch.nn.Module) -> Iterator[int]:
+    """`model` with every vLLM LoRA wrapper replaced by its `base_layer` in its parent, restored on exit;
+    yields how many were replaced (0 without LoRA: nothing changes)."""
+    swapped = []
+    for name, module in list(model.named_modules()):
+        if name and _is_lora_wrapper(module):
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            swapped.append((parent, attr, module))
+    for parent, attr, module in swapped:
+        setattr(parent, attr, module.base_layer)
+    try:
+        yield len(swapped)
+    finally:
+        for parent, attr, module in swapped:
+            setattr(parent, attr, module)

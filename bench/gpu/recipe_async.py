@@ -1,8 +1,9 @@
-"""gpu1_0p6b colocated against async on its one GPU, back to back in one device call (issue 25, point 2).
+"""gpu1_0p6b colocated against async, or against LoRA, on its one GPU, back to back in one device call.
 
     python3 -m bench.gpu.recipe_async                  # H200, after shared/gpu/device-setup.sh: both modes, ~9 min
     FULL=1 MODES=async python3 -m bench.gpu.recipe_async  # the recipes as they are (40 steps, 400-step warm start):
                                                  # one mode a call (MODES=colocated, then MODES=async)
+    MODES="lora colocated" python3 -m bench.gpu.recipe_async  # LoRA RL (gpu1_0p6b_lora) against full fine-tuning
     SMOKE=1 .venv/bin/python -m bench.gpu.recipe_async    # CPU: tiny colocated vs tiny async, 4 steps each (the plumbing)
 
 Each mode is one launcher run, `python -m launch.cluster RECIPE seed=S run_root=... run_id=... EXTRA`, run by
@@ -14,6 +15,9 @@ every 200 ms; run_root outside $OUT):
                                   generates step s+1 while step s trains (max_staleness 1), parks its
                                   requests at each update and continues them (partial rollouts), CUDA IPC,
                                   TIS at 2
+    lora        gpu1_0p6b_lora    colocated with a rank-16 adapter the only trained parameters; each sync
+                                  moves the adapter alone (the first also the warm-started base) by the
+                                  object store into vLLM as a new LoRA adapter
 To fit both runs in one call (the device's 10 minutes: each run also pays ~2 minutes of start-up, the task
 and model built, the learner then the engine), EXTRA defaults to a shorter run of both recipes alike: a
 200-step warm start (the recipe's 400 took ~165 s a run), 12 RL steps, held-out evaluation at steps 0, 6
@@ -46,8 +50,10 @@ from bench.gpu import recipe as gr
 
 SMOKE = gr.SMOKE
 FULL = os.environ.get("FULL", "") not in ("", "0")
-RECIPES = {"colocated": "tiny" if SMOKE else "gpu1_0p6b", "async": "tiny" if SMOKE else "gpu1_0p6b_async"}
-MODE_OVERRIDES = {"colocated": [], "async": ["coordinator.mode=async", "assembler.max_staleness=1"] if SMOKE else []}
+RECIPES = {"colocated": "tiny" if SMOKE else "gpu1_0p6b", "async": "tiny" if SMOKE else "gpu1_0p6b_async",
+           "lora": "tiny_lora" if SMOKE else "gpu1_0p6b_lora"}
+MODE_OVERRIDES = {"colocated": [], "async": ["coordinator.mode=async", "assembler.max_staleness=1"] if SMOKE else [],
+                  "lora": []}
 MODES = os.environ.get("MODES", "async colocated").split()  # the new path first: it gets the fresh budget
 SEED = int(os.environ.get("SEED", "0"))
 SHORT = "coordinator.steps=12 coordinator.eval_every=6 model.tiny_sft_steps=200"
@@ -62,7 +68,8 @@ COLUMNS = [("mode", "mode"), ("recipe", "recipe"), ("rc", "rc"), ("wall_s", "wal
            ("reward_after", "after"), ("greedy_before", "greedy acc. before"), ("greedy_after", "after"),
            ("mismatch_kl", "mismatch KL"), ("interrupted_requests", "requests parked per step"),
            ("mem_before_step1_gib", "GiB before step 1"), ("mem_steps2_n_gib", "GiB steps 2..N"),
-           ("sft_step_s", "warm-start s/step"), ("startup_line", "start-up GiB by phase")]
+           ("sft_step_s", "warm-start s/step"), ("sync_mib", "MiB per sync (steps 2..N)"),
+           ("trainable_params", "trained params"), ("startup_line", "start-up GiB by phase")]
 
 
 def parked_per_step(run_dir: Path) -> float | None:
@@ -71,6 +78,26 @@ def parked_per_step(run_dir: Path) -> float | None:
     rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
     vals = [r["interrupted_requests"] for r in rows if r.get("step", -1) >= 1 and "interrupted_requests" in r]
     return round(statistics.median(vals), 1) if vals else None
+
+
+def sync_mib(run_dir: Path) -> float | None:
+    """Median MiB a step's weight sync moved, steps 2..N (the first sync after a LoRA warm start also carries
+    the base)."""
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    vals = [r["weight_sync_bytes"] for r in rows if r.get("step", -1) >= 2
+            and isinstance(r.get("weight_sync_bytes"), (int, float)) and r["weight_sync_bytes"] == r["weight_sync_bytes"]]
+    return round(statistics.median(vals) / 2**20, 2) if vals else None
+
+
+def trainable_params(run_dir: Path) -> int | None:
+    """The learner's trained parameters (its learner.ready line)."""
+    path = run_dir / "logs" / "learner.jsonl"
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        e = json.loads(line)
+        if e.get("event") == "learner.ready":
+            return e.get("trainable_params")
+    return None
 
 
 def write(results: list[dict], notes: list[str]) -> None:
@@ -82,7 +109,7 @@ def write(results: list[dict], notes: list[str]) -> None:
             notes = notes + [f"async / colocated samples/s (whole step): {a / c:.2f}"]
     (out / "async.json").write_text(json.dumps({"modes": MODES, "seed": SEED, "extra": EXTRA, "smoke": SMOKE,
                                                 "results": results, "notes": notes}, indent=1))
-    lines = [f"# gpu1_0p6b colocated vs async, seed {SEED}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+    lines = [f"# gpu1_0p6b: {' vs '.join(MODES)}, seed {SEED}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
              "", f"overrides (both modes): {' '.join((gr.SMOKE_OVERRIDES if SMOKE else []) + EXTRA) or '(none)'}", "",
              *gr.table(COLUMNS, results, notes)]
     (out / "async.md").write_text("\n".join(lines) + "\n")
@@ -109,6 +136,8 @@ def main() -> int:
                         tag=f"-{mode}")
         r["mode"] = mode
         r["interrupted_requests"] = parked_per_step(gr.KEEP / r["run_id"])
+        r["sync_mib"] = sync_mib(gr.KEEP / r["run_id"])
+        r["trainable_params"] = trainable_params(gr.KEEP / r["run_id"])
         results.append(r)
         write(results, notes)
     write(results, notes)
