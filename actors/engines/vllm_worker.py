@@ -74,9 +74,10 @@ def _is_lora_wrapper(module: torch.nn.Module) -> bool:
 @contextmanager
 def lora_unwrapped(model: torch.nn.Module) -> Iterator[int]:
     """`model` with every vLLM LoRA wrapper replaced by its `base_layer` in its parent, restored on exit;
-    yields how many were replaced (0 without LoRA: nothing changes)."""
+    yields how many were replaced (0 without LoRA, or for a test's plain stand-in model: nothing changes)."""
     swapped = []
-    for name, module in list(model.named_modules()):
+    modules = list(model.named_modules()) if isinstance(model, torch.nn.Module) else []
+    for name, module in modules:
         if name and _is_lora_wrapper(module):
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
