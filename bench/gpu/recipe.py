@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import shutil
 import signal
@@ -156,7 +157,7 @@ def _median(rows: list[dict], key: str) -> float | None:
 
 
 def summarize(run_dir: Path, mem: list[tuple[float, float]], console: str) -> dict:
-    """A finished (or cut) run's figures from its metrics.jsonl, launcher log, console and memory samples."""
+    """A finished (or cut) run's figures from its metrics.jsonl, launcher and learner logs, console and memory samples."""
     path = run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     steps = [r for r in rows if r["step"] >= 0]
@@ -182,6 +183,11 @@ def summarize(run_dir: Path, mem: list[tuple[float, float]], console: str) -> di
                 "prompts_trained": sum(r.get("prompts_trained", 0) for r in steps)})
     if out["sync_s"] and out["step_s"]:
         out["sync_share"] = round(out["sync_s"] / out["step_s"], 4)
+    synced = [r["weight_sync_bytes"] for r in later if isinstance(r.get("weight_sync_bytes"), (int, float))
+              and not math.isnan(r["weight_sync_bytes"])]  # NaN: a step that synced nothing
+    out["sync_mib"] = round(statistics.median(synced) / 2**20, 2) if synced else None
+    ready = [e for e in log_events(run_dir / "logs" / "learner.jsonl") if e.get("event") == "learner.ready"]
+    out["trainable_params"] = ready[-1].get("trainable_params") if ready else None
     out["raylet_lines"] = sum("(raylet)" in line for line in console.splitlines())
     events = log_events(run_dir / "logs" / "launcher.jsonl")
     stopped = [e for e in events if e.get("event") == "actors stopped"]

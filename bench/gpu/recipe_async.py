@@ -80,26 +80,6 @@ def parked_per_step(run_dir: Path) -> float | None:
     return round(statistics.median(vals), 1) if vals else None
 
 
-def sync_mib(run_dir: Path) -> float | None:
-    """Median MiB a step's weight sync moved, steps 2..N (the first sync after a LoRA warm start also carries
-    the base)."""
-    path = run_dir / "metrics.jsonl"
-    rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-    vals = [r["weight_sync_bytes"] for r in rows if r.get("step", -1) >= 2
-            and isinstance(r.get("weight_sync_bytes"), (int, float)) and r["weight_sync_bytes"] == r["weight_sync_bytes"]]
-    return round(statistics.median(vals) / 2**20, 2) if vals else None
-
-
-def trainable_params(run_dir: Path) -> int | None:
-    """The learner's trained parameters (its learner.ready line)."""
-    path = run_dir / "logs" / "learner.jsonl"
-    for line in (path.read_text().splitlines() if path.exists() else []):
-        e = json.loads(line)
-        if e.get("event") == "learner.ready":
-            return e.get("trainable_params")
-    return None
-
-
 def write(results: list[dict], notes: list[str]) -> None:
     out = gr.OUT
     by = {r["mode"]: r for r in results}
@@ -136,8 +116,6 @@ def main() -> int:
                         tag=f"-{mode}")
         r["mode"] = mode
         r["interrupted_requests"] = parked_per_step(gr.KEEP / r["run_id"])
-        r["sync_mib"] = sync_mib(gr.KEEP / r["run_id"])
-        r["trainable_params"] = trainable_params(gr.KEEP / r["run_id"])
         results.append(r)
         write(results, notes)
     write(results, notes)

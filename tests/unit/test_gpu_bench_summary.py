@@ -36,3 +36,17 @@ def test_the_summary_carries_the_start_up_memory_marks_the_warm_start_and_the_pa
     assert out["step_samples_per_s"] == 42.0  # the median over steps 2..N (steps 1-3)
     assert gpu_async.parked_per_step(tmp_path) == 8.0  # steps 1..3 parked 4, 8, 12
     assert gpu_async.parked_per_step(tmp_path / "none") is None
+
+
+def test_the_summary_carries_the_bytes_per_sync_over_steps_2_to_n_and_the_learner_s_trained_params(tmp_path):
+    mib = 2 ** 20
+    rows = [{"step": 0, "time": 10.0, "time_step": 2.0, "weight_sync_bytes": 700.0 * mib},  # the base too
+            {"step": 1, "time": 13.0, "time_step": 2.0, "weight_sync_bytes": 16.0 * mib},
+            {"step": 2, "time": 16.0, "time_step": 2.0, "weight_sync_bytes": float("nan")},  # synced nothing
+            {"step": 3, "time": 19.0, "time_step": 2.0, "weight_sync_bytes": 17.0 * mib}]
+    write_run(tmp_path, rows, [], [])
+    (tmp_path / "logs" / "learner.jsonl").write_text(json.dumps({"event": "learner.ready", "trainable_params": 65536}) + "\n")
+    out = gpu_recipe.summarize(tmp_path, [], "")
+    assert out["sync_mib"] == 16.5 and out["trainable_params"] == 65536
+    (tmp_path / "logs" / "learner.jsonl").unlink()
+    assert gpu_recipe.summarize(tmp_path, [], "")["trainable_params"] is None
