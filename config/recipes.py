@@ -92,9 +92,9 @@ def tiny_mt() -> RunConfig:
 def tiny_lora() -> RunConfig:
     """tiny with LoRA RL (issue 39): a rank-16 adapter (alpha 32) on every attention and MLP projection is all
     that RL trains; the base stays frozen, and each weight sync moves the adapter alone into the engine. The
-    warm start is tiny's own (300 steps on the base: the stand-in for the pretraining a real base had), so both
-    recipes start RL from a policy of the same training (its own AdamW over the base makes it a different draw:
-    docs/perf/lora.md); its base then travels once, in the first sync, and is saved over the
+    warm start is tiny's own, bit for bit (300 steps on the base: the stand-in for the pretraining a real base
+    had; actors/learner/lora_base.py), so both recipes start RL from the same policy; its base then travels once,
+    in the first sync, and is saved over the
     run's model directory, which the adapter's exports name as their base. LoRA's updates are low-rank and
     scaled by alpha / rank, so its RL rate is above tiny's (1e-3 against 3e-4). `tiny learner.lora.rank=R` is
     LoRA at tiny's rate. Compared with tiny in docs/perf/lora.md."""

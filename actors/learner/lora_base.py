@@ -7,8 +7,11 @@ held out of them), never the adapter. A mixin of actors/learner/learner.py's Lea
 Invariants:
 - A base step changes base parameters only (the adapter's B stays zero, so the model's output is the base's),
   with a plain AdamW of its own over fp32 masters of the base (the learner's betas and weight decay, `lr` as
-  given, gradients clipped at learner.grad_clip, summed over the ranks' shares), held only until `save_base`: RL never holds base optimizer state,
-  and DeepSpeed's optimizer never sees a base parameter. ZeRO-3 (a partitioned base) is refused by name.
+  given, gradients summed over the ranks' shares and clipped at learner.grad_clip by DeepSpeed's own clip), held
+  only until `save_base`: RL never holds base optimizer state, and DeepSpeed's optimizer never sees a base
+  parameter. ZeRO-3 (a partitioned base) is refused by name.
+- In fp32 (tiny, on CPU) a base step is bit for bit the step full fine-tuning's DeepSpeed engine takes on the
+  same pairs (the adapter's B is zero, so its path adds exact zeros): tiny_lora's warm start is tiny's.
 - After a base step, the next weight export carries the base's tensors (under their Hugging Face names) before
   the adapter's, once: the engines get the warm base in the first sync after the warm start, and only the
   adapter after that (`base_changed`, cleared when an export completes).
@@ -71,8 +74,10 @@ class LoraBase:
                     dist.all_reduce(g)
             for m, g in zip(self._base_master, grads):
                 m.grad = g.float() if m.dtype != g.dtype else g
-            if self.cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self._base_master, self.cfg.grad_clip)
+            if self.cfg.grad_clip > 0:  # DeepSpeed's own clip: in fp32 the step is then tiny's, bit for bit
+                from deepspeed.runtime.utils import clip_grad_norm_
+
+                clip_grad_norm_(self._base_master, self.cfg.grad_clip)
             self._base_opt.step()
             with torch.no_grad():
                 for p, m in zip(base, self._base_master):
