@@ -206,7 +206,7 @@ def gpu1_0p6b() -> RunConfig:
     prompt evaluated, greedy and 8 samples at T=1, before training and every 10 steps), a decoder of
     Qwen3-0.6B's shape built on the spot (hidden 1024, 28 layers, 16/8 heads, FFN 3072; head_dim 64 and the
     task's 2,048-token vocabulary: 354M parameters), a slip warm start (500 steps at lr 1e-3, 30 % of
-    targets slipped), then 40 GRPO steps of 16 prompts x 8 samples at lr 2e-4: vLLM (eager, sleep level 2),
+    targets slipped), then 40 GRPO steps of 16 prompts x 8 samples at lr 2e-4: vLLM (CUDA graphs, sleep level 2),
     one learner rank (ZeRO-0, bf16, liger, gradient checkpointing, optimizer offload), the CUDA-IPC weight
     sync every step, TIS at 2.
 
@@ -229,6 +229,10 @@ def gpu1_0p6b() -> RunConfig:
       0.247, while the training reward climbed 0.43 -> 0.85-0.92: the target (+0.15 on both) is still
       missed, and what holds it back is still that training improves texts the warm start has seen ~24
       times each (336 distinct texts in 8,000 drawn pairs), not the held-out skill.
+    - CUDA graphs (enforce_eager off): on one H200, 40 steps after a 200-step warm start, back to back
+      (2026-12-06, docs/perf/lora.md): 1.24 s a step (generation 0.27 s) against 1.91 s (1.00 s) eager,
+      54.5 samples/s against 39.0 (1.40x), the whole run 284 s against 298 s with the graphs' capture in it,
+      the same device memory (44.9 against 44.7 GiB). The figures above were measured eager.
     - filter_zero_variance as tiny: a group with one reward has no gradient and would only dilute the
       token-mean loss.
     - max_inflight_prompts 128: an evaluation publishes ~190 greedy + ~190 sampled groups at once.
@@ -245,7 +249,7 @@ def gpu1_0p6b() -> RunConfig:
                             tiny_layers=28, tiny_heads=16, tiny_kv_heads=8, tiny_intermediate_size=3072,
                             tiny_vocab_size=2048, tiny_sft_steps=500, tiny_sft_lr=1e-3, tiny_sft_slip=0.3)
     cfg.generator = GeneratorConfig(engine="vllm", n_samples=8, temperature=1.0, max_tokens=64,
-                                    gpu_memory_utilization=0.3, enforce_eager=True, sleep_level=2,
+                                    gpu_memory_utilization=0.3, enforce_eager=False, sleep_level=2,
                                     max_inflight_prompts=128, num_cpus=1.0)
     cfg.scorer = ScorerConfig(workers=4, timeout_s=5.0, memory_mb=1024, num_cpus=0.5)
     cfg.assembler = AssemblerConfig(micro_batch_tokens=16_384, filter_zero_variance=True, num_cpus=0.25)
@@ -276,9 +280,12 @@ def gpu1_0p6b_async() -> RunConfig:
     (2026-12-04, seed 0, 40 steps; docs/perf/vllm_sync.md): 49.7 samples/s a whole step against
     colocated's 30.1 (1.65x), held-out reward 0.216 -> 0.291 and greedy 0.177 -> 0.285 (colocated 0.268 /
     0.247), 52.0 GiB resident against 44.7; its start-up is longer (the learner built and asleep before the
-    engine starts), so the whole run took 483 s, over gpu1_0p6b's 8-minute bound: an option, not the default."""
+    engine starts), so the whole run took 483 s, over gpu1_0p6b's 8-minute bound: an option, not the default.
+    vLLM stays eager here (gpu1_0p6b runs CUDA graphs): parking and continuing requests at each update was
+    measured eager only."""
     cfg = gpu1_0p6b()
     cfg.name = "gpu1_0p6b_async"
+    cfg.generator.enforce_eager = True  # partial rollouts measured eager only (docstring)
     cfg.coordinator.mode = "async"
     cfg.assembler.max_staleness = 1
     cfg.generator.partial_rollouts = True
@@ -294,11 +301,10 @@ def gpu1_0p6b_lora() -> RunConfig:
     at level 1 (it keeps the frozen base across sleeps: no sync brings it back). RL's rate is 5x gpu1_0p6b's,
     as tiny_lora's is above tiny's (low-rank updates scaled by alpha / rank). Compared with gpu1_0p6b in one
     device call: `MODES="lora colocated" python -m bench.gpu.recipe_async` (docs/perf/lora.md).
-    vLLM runs with CUDA graphs (enforce_eager off): under an adapter, eager generation took 1.96 s a step
-    against 0.24 s with graphs (one H100, 2026-12-05, 6-step runs), for ~17 s more start-up."""
+    vLLM runs with CUDA graphs, as gpu1_0p6b's (under an adapter, eager generation took 1.96 s a step against
+    0.24 s with graphs: one H100, 2026-12-05, 6-step runs)."""
     cfg = gpu1_0p6b()
     cfg.name = "gpu1_0p6b_lora"
-    cfg.generator.enforce_eager = False  # LoRA's eager generation is 8x slower here (docstring)
     cfg.learner.lora = LoraConfig(rank=16, alpha=32.0)
     cfg.learner.lr = 1e-3
     cfg.coordinator.weight_sync = "auto"  # the adapter goes by the object store (cuda_ipc moves whole models)
