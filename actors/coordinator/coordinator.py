@@ -33,11 +33,10 @@ It holds a typed handle per role it calls (actors/handles.py: `generators`, `lea
 call bounded there) and components built from them: `weights` (sync.py WeightSync: the sync handshake,
 restarted generators resynced), `checkpoints` (checkpoint.py), `report` (report.py: where metrics go). Built
 like every actor (actors/shell.py) over Ray actor handles or plain objects alike; its "generated" events are
-read by the one consumer loop (queues.worker.Worker).
+read by `generated` (generated.py: the one consumer loop, queues.worker.Worker).
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ from typing import Any
 
 from actors.coordinator.checkpoint import Checkpoints, count_outcomes
 from actors.coordinator.cursor import DataCursor
+from actors.coordinator.generated import GeneratedEvents
 from actors.coordinator.heartbeat import start_heartbeat, stop_heartbeat
 from actors.coordinator.prompts import eval_tasks, train_tasks
 from actors.coordinator.report import StepReport
@@ -52,7 +52,7 @@ from actors.coordinator.sync import WeightSync
 from actors.handles import AssemblerHandle, CallBounds, GeneratorPool, LearnerHandle
 from config import RunConfig, RunContext
 from observe.logs import setup_actor_logging
-from queues.messages import Event, PromptTask, codec, task_step
+from queues.messages import PromptTask, codec
 
 
 class Coordinator:
@@ -81,20 +81,18 @@ class Coordinator:
         self.version = 0
         self.cursor = DataCursor(len(train_items), cfg.data.shuffle_seed)
         self.ledger: dict[str, str] = {}  # task_id -> outcome, for every task ever published
-        self._generated: dict[str, float] = {}
+        self.generated = GeneratedEvents()  # which tasks' groups are done (generated.py), consumed once connected
         self._stop = False
         self._cursor_before: dict[int, dict[str, int]] = {}  # step -> the cursor before its prompts were taken
         self._generators_resting = False
-        self.conn, self._events_task = None, None  # the run's streams and events consumer, once connected
+        self.conn = None  # the run's streams, once connected
 
     # -- streams -----------------------------------------------------------------------------
 
     async def connect(self) -> None:
-        """The run's streams, and the events consumer (the one consumer loop, queues.worker.Worker) in
-        the background: every "generated" notice is recorded, then acked."""
+        """The run's streams, and the events consumer in the background (generated.py)."""
         from queues.streams import RunStreams
         from queues.topology import DATA_FLOW, EVENTS, PROMPTS
-        from queues.worker import Worker
 
         self.conn = await RunStreams.open(self.ctx.redis_url, self.run_id)
         hw = self.cfg.cluster.stream_high_water
@@ -103,38 +101,13 @@ class Coordinator:
         self.depth_streams = {spec.name: self.conn.stream(spec) for spec in DATA_FLOW}
         for s in (self.prompts, self.events, *self.depth_streams.values()):
             await s.ensure_group()
-        self._event_arrived = asyncio.Event()
-        self._events_worker = Worker(self.events, EVENTS.group, self._on_event, concurrency=64, read_count=512,
-                                     reclaim_idle_s=self.cfg.cluster.reclaim_idle_s, heartbeat=False, on_error="raise")
-        self._events_task = asyncio.create_task(self._events_worker.run())
+        self.generated.start(self.events, EVENTS.group, self.cfg.cluster.reclaim_idle_s)
 
     async def disconnect(self) -> None:
         """Stops the events consumer (within its read bound) and closes the run's connection."""
-        if self._events_task is not None:
-            self._events_worker.stop()
-            await asyncio.wait([self._events_task], timeout=5.0)
-            self._events_task.cancel()
+        await self.generated.stop()
         if self.conn is not None:
             await self.conn.close()
-
-    async def _on_event(self, entry_id: str, data: bytes) -> None:
-        ev = codec(Event).decode(data)
-        if ev.kind == "generated":
-            self._generated[ev.task_id] = ev.at
-            self._event_arrived.set()
-
-    def _check_events(self) -> None:
-        """The events consumer's failure (Redis gone for good, an undecodable event) ends the run."""
-        if self._events_task.done():
-            if not self._events_task.cancelled() and self._events_task.exception() is not None:
-                raise self._events_task.exception()
-            raise RuntimeError(f"coordinator: the events consumer of {self.events.key} ended")
-
-    def _forget_generated(self, before_step: int) -> None:
-        """Bounds the generated-events map: tasks of steps before `before_step` (evals too) go."""
-
-        self._generated = {t: at for t, at in self._generated.items()
-                           if (task_step(t) is None or task_step(t) >= before_step)}
 
     async def _wait_generated(self, task_ids: list[str], timeout_s: float) -> float:
         """Returns when every task's group was published by a generator (event), or at timeout.
@@ -142,30 +115,13 @@ class Coordinator:
         groups missing, a frozen generator is restarted in place (GeneratorPool.restart_frozen) and the wait made
         once more: its prompts are pending under its name, and the new instance, resynced here, serves them
         first (else the collect waited its whole timeout for them, and failed them)."""
-        last = await self._wait_events(task_ids, timeout_s)
-        if not all(t in self._generated for t in task_ids) and await self.generators.restart_frozen():
-            last = await self._wait_events(task_ids, timeout_s)
-        return last
+        def heal():
+            return self.weights.heal(self.version)
 
-    async def _wait_events(self, task_ids: list[str], timeout_s: float) -> float:
-        deadline = time.monotonic() + timeout_s
-        next_heal = time.monotonic() + 1.0
-        while time.monotonic() < deadline:
-            self._check_events()
-            if all(t in self._generated for t in task_ids):
-                break
-            self._event_arrived.clear()
-            if all(t in self._generated for t in task_ids):
-                break
-            try:
-                await asyncio.wait_for(self._event_arrived.wait(),
-                                       max(0.0, min(next_heal, deadline) - time.monotonic()))
-            except asyncio.TimeoutError:
-                pass
-            if time.monotonic() >= next_heal:
-                await self.weights.heal(self.version)
-                next_heal = time.monotonic() + 1.0
-        return max((self._generated.get(t, 0.0) for t in task_ids), default=time.time())
+        last = await self.generated.wait(task_ids, timeout_s, heal)
+        if self.generated.missing(task_ids) and await self.generators.restart_frozen():
+            last = await self.generated.wait(task_ids, timeout_s, heal)
+        return last
 
     def _tasks(self, step: int, indices: list[int], version: int, first_slot: int = 0) -> list[PromptTask]:
         return train_tasks(self.train_items, step, indices, version, self.cfg.generator.n_samples, first_slot)
@@ -233,7 +189,7 @@ class Coordinator:
             task_ids, m["prompts_replacement"] = await self._top_up(step, task_ids)
             last_generated = await self._wait_generated(task_ids, cfg.coordinator.step_timeout_s)
         gen_done = time.perf_counter()
-        self.report.phase(step, "generated", missing=sum(t not in self._generated for t in task_ids))
+        self.report.phase(step, "generated", missing=self.generated.missing(task_ids))
         m["time_generation"] = gen_done - t0
         if colocated:
             t = time.perf_counter()
@@ -379,7 +335,7 @@ class Coordinator:
             self.report.step(step, m)
             self.step = step + 1
             await self.assembler.forget_before(step - 2)
-            self._forget_generated(step - 2)
+            self.generated.forget(step - 2)
             if cfg.time_budget_s and time.monotonic() - started > cfg.time_budget_s:
                 break
         if self.step > first and not (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):

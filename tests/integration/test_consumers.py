@@ -20,7 +20,7 @@ async def test_the_coordinator_s_events_consumer_records_acks_and_surfaces_its_f
     coord = Coordinator(apply_overrides(get_recipe("tiny"), []), RunContext(run_id="ev", redis_url=redis_url), [], [],
                         generators=[], learner=None, assembler=None)
     await coord.connect()
-    assert isinstance(coord._events_worker, Worker)
+    assert isinstance(coord.generated.worker, Worker)
     producer = await RunStreams.open(redis_url, "ev")
     events = producer.stream(EVENTS, high_water=0)
     enc = codec(Event).encode
@@ -28,7 +28,7 @@ async def test_the_coordinator_s_events_consumer_records_acks_and_surfaces_its_f
         await events.publish(enc(Event(kind="generated", source="generator-0", task_id=t, at=time.time())))
     await events.publish(enc(Event(kind="metrics", source="scorer-0")))  # other kinds: acked, not recorded
     await coord._wait_generated(["0:0:0", "0:1:0"], timeout_s=20)
-    assert set(coord._generated) == {"0:0:0", "0:1:0"}
+    assert set(coord.generated.done) == {"0:0:0", "0:1:0"}
     for _ in range(100):  # the third is acked right after it is handled
         if (await coord.events.depth())["pending"] == 0:
             break

@@ -116,7 +116,7 @@ async def test_fake_frozen_generator_holding_a_step_s_late_groups_is_restarted_a
     coord = Coordinator(_cfg(), RunContext(run_id="late"), [], [], generators=[live, frozen], learner=None,
                         assembler=None)
     ids = [train_task_id(3, k) for k in range(4)]
-    coord._generated = {ids[0]: 1.0}  # the live generator's group; the frozen one holds the other three
+    coord.generated.record(ids[0], 1.0)  # the live generator's group; the frozen one holds the other three
     restarted = []
 
     def restart(g):  # what Ray's restart gives: the same handle, a live instance behind it
@@ -127,23 +127,22 @@ async def test_fake_frozen_generator_holding_a_step_s_late_groups_is_restarted_a
     async def heal(version, timeout_s=2.0):  # resynced: the new instance serves its pending prompts first
         if not restarted:
             return 0
-        coord._generated.update({t: 2.0 for t in ids[1:]})
-        coord._event_arrived.set()
+        for t in ids[1:]:
+            coord.generated.record(t, 2.0)
         return 1
 
     coord.generators.restart, coord.weights.heal = restart, heal
-    coord._check_events, coord._event_arrived = (lambda: None), asyncio.Event()  # the events consumer's (fake)
     t0 = time.monotonic()
     await coord._wait_generated(ids, 2.0)
     waited = time.monotonic() - t0
-    assert all(t in coord._generated for t in ids), "the restarted generator's groups were not waited for"
+    assert all(t in coord.generated.done for t in ids), "the restarted generator's groups were not waited for"
     assert restarted == [frozen] and coord.generators.frozen_restarts == 1 and frozen.calls == ["health", "health"]
     assert waited < 2.0 + 0.5 + 1.9  # the second wait ended with the groups, not at its timeout
 
     late = [train_task_id(4, 0)]  # late, but no generator is frozen: one wait, no restart
     t0 = time.monotonic()
     await coord._wait_generated(late, 1.0)
-    assert late[0] not in coord._generated and coord.generators.frozen_restarts == 1 and time.monotonic() - t0 < 1.9
+    assert late[0] not in coord.generated.done and coord.generators.frozen_restarts == 1 and time.monotonic() - t0 < 1.9
     assert live.calls == ["health", "health"]
 
 
@@ -170,17 +169,15 @@ async def test_fake_restarted_generator_is_resynced_during_an_evaluation():
     async def heal(version, timeout_s=2.0):
         heals.append(1)
         for t in published:  # healed: the generator makes the groups it was waiting to make
-            coord._generated[t] = 0.0
-        coord._event_arrived.set()
+            coord.generated.record(t, 0.0)
         return 1
 
     async def collect_eval(ids, timeout):
-        assert all(t in coord._generated for t in ids), "collect_eval called before the groups existed"
+        assert all(t in coord.generated.done for t in ids), "collect_eval called before the groups existed"
         return {"eval_accuracy": 0.5, "eval_reward_mean": 0.25, "eval_sample_accuracy": 0.25}
 
     coord._publish, coord.weights.heal = publish, heal
     coord.assembler.actor = SimpleNamespace(collect_eval=collect_eval)  # the assembler (fake)
-    coord._check_events, coord._event_arrived = (lambda: None), asyncio.Event()  # the events consumer's (fake)
     result = await coord._eval()
     assert heals and result["eval_accuracy"] == 0.5 and result["eval_reward_mean"] == 0.25
 
@@ -216,15 +213,14 @@ def _evaluating_coordinator(gen, log):
         return [t.task_id for t in tasks]
 
     def make_groups():
-        coord._generated.update({t: 0.0 for t in published})
-        coord._event_arrived.set()
+        for t in published:
+            coord.generated.record(t, 0.0)
 
     async def collect_eval(ids, timeout):
         return {"eval_accuracy": 0.5, "eval_reward_mean": 0.25, "eval_sample_accuracy": 0.25}
 
     coord._publish, coord.make_groups = publish, make_groups
     coord.assembler.actor = SimpleNamespace(collect_eval=collect_eval)
-    coord._check_events, coord._event_arrived = (lambda: None), asyncio.Event()
     return coord
 
 
