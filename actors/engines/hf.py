@@ -18,7 +18,8 @@ Invariants:
 - A row ends with "stop" on an eos/pad token (the token is kept in `tokens`, as vLLM does) or
   when a configured stop string appears in its decoded text (tokens kept up to and including
   the one completing the string; the text is cut before the string), and with "length" at
-  max_tokens or at the model's max_position_embeddings. "abort" after `abort()`.
+  max_tokens or at the model's max_position_embeddings. "abort" after `abort()` (actors/engines/hf_rows.py:
+  the requests, their rows and the groups they become).
 - Sleep: level 1 keeps a CPU copy of every weight and frees the device tensors; level 2 frees
   them with no copy, so after `wake(["weights"])` the parameters are allocated but empty and
   `generate` refuses (EngineAsleep) until `load_weights` has filled every tensor and
@@ -42,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -51,44 +51,21 @@ from actors.dtypes import torch_dtype
 from actors.engines.base import (
     Engine,
     EngineAsleep,
-    SamplingSettings,
     TaskError,
     prompt_ids,
     resolve_sampling,
 )
 from actors.engines.hf_decode import prefill, sample_tokens  # noqa: F401 - sample_tokens is this module's API too
+from actors.engines.hf_rows import Request, Row, row_ended, to_group
 from actors.engines.hf_weights import WeightsMixin
 from config import GeneratorConfig, ModelConfig
-from queues.messages import PromptTask, RolloutGroup, Sample, pack_floats, pack_ids
+from queues.messages import PromptTask, RolloutGroup
 
 
 def resolve_device(device: str) -> torch.device:
     if device in ("", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-@dataclass(eq=False)
-class _Request:
-    task: PromptTask
-    params: SamplingSettings
-    ids: list[int]
-    future: asyncio.Future
-    submitted_at: float
-    started_at: float = 0.0
-    version: int = 0
-    rows: list["_Row"] = field(default_factory=list)
-    interrupted: int = 0  # times this request was parked by interrupt()
-
-
-@dataclass(eq=False)
-class _Row:
-    req: _Request
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    finish_reason: str = ""
-    text: str | None = None  # set when a stop string cut the text
 
 
 class TransformersEngine(WeightsMixin, Engine):
@@ -140,11 +117,11 @@ class TransformersEngine(WeightsMixin, Engine):
         self._weights_present = True
         self._unloaded: set[str] = set()  # after a level-2 wake: tensors load_weights still owes
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._pending: list[_Request] = []
-        self._active: list[_Request] = []
+        self._pending: list[Request] = []
+        self._active: list[Request] = []
         self._abort_requested = False
         self._interrupting = False
-        self._parked: list[_Request] = []
+        self._parked: list[Request] = []
         self._counters = {"interrupted_requests": 0, "requests": 0, "groups_done": 0, "tokens_generated": 0, "batches": 0,
                           "decode_steps": 0, "row_steps": 0, "busy_s": 0.0, "prefill_tokens": 0}
 
@@ -195,7 +172,7 @@ class TransformersEngine(WeightsMixin, Engine):
         ids = prompt_ids(task, self.max_model_len, self.vocab_size)
         self._check_awake()
         self._bind_loop()
-        req = _Request(task=task, params=params, ids=ids, future=self._loop.create_future(), submitted_at=time.time())
+        req = Request(task=task, params=params, ids=ids, future=self._loop.create_future(), submitted_at=time.time())
         self._pending.append(req)
         self._counters["requests"] += 1
         self._has_work.set()
@@ -249,31 +226,21 @@ class TransformersEngine(WeightsMixin, Engine):
             taken, rows = taken + 1, rows + req.params.n
         return max(1, taken)
 
-    def _resolve(self, req: _Request, abort: bool = False) -> None:
+    def _resolve(self, req: Request, abort: bool = False) -> None:
         if req.future.done():
             return
-        samples = []
-        rows = req.rows or [_Row(req=req) for _ in range(req.params.n)]
-        for row in rows:
-            reason = row.finish_reason or ("abort" if abort else "length")
-            text = row.text if row.text is not None else self.tokenizer.decode(row.tokens, skip_special_tokens=True)
-            spans = any(v != req.version for v in row.versions)
-            samples.append(Sample(tokens=pack_ids(row.tokens), logprobs=pack_floats(row.logprobs),
-                                  finish_reason=reason, text=text, versions=pack_ids(row.versions) if spans else b""))
-        now = time.time()
-        group = RolloutGroup(task=req.task, samples=samples, policy_version=req.version,
-                             started_at=req.started_at or now, finished_at=now)
+        group = to_group(req, self.tokenizer, abort)
         self._counters["groups_done"] += 1
         req.future.set_result(group)
 
-    async def _run_batch(self, batch: list[_Request]) -> None:
+    async def _run_batch(self, batch: list[Request]) -> None:
         t0 = time.perf_counter()
         now = time.time()
         resumed = any(req.rows for req in batch)
         for req in batch:
             if not req.rows:  # a new request (a continued one keeps its rows, start and version)
                 req.started_at, req.version = now, self.version
-                req.rows = [_Row(req=req) for _ in range(req.params.n)]
+                req.rows = [Row(req=req) for _ in range(req.params.n)]
         rows = [row for req in batch for row in req.rows if not row.finish_reason]
         async with self._model_lock():
             self._check_awake()
@@ -290,7 +257,7 @@ class TransformersEngine(WeightsMixin, Engine):
             self._counters["row_steps"] += len(rows)
             tok_list, lp_list = tokens.tolist(), logprobs.tolist()
             keep: list[int] = []
-            touched: list[_Request] = []
+            touched: list[Request] = []
             for i, row in enumerate(rows):
                 if row.req.future.done():  # the caller went away (cancelled)
                     continue
@@ -298,7 +265,7 @@ class TransformersEngine(WeightsMixin, Engine):
                 row.logprobs.append(lp_list[i])
                 row.versions.append(self.version)
                 self._counters["tokens_generated"] += 1
-                if self._finished(row, pos_next=int(pos[i]) + 1):
+                if row_ended(row, int(pos[i]) + 1, self.eos_ids, self.max_model_len, self.tokenizer):
                     touched.append(row.req)
                 else:
                     keep.append(i)
@@ -335,36 +302,12 @@ class TransformersEngine(WeightsMixin, Engine):
                 self._resolve(req)
         self._counters["busy_s"] += time.perf_counter() - t0
 
-    def _finished(self, row: _Row, pos_next: int) -> bool:
-        p = row.req.params
-        tok = row.tokens[-1]
-        if tok in self.eos_ids:
-            row.finish_reason = "stop"
-        elif p.stop and self._hit_stop(row):
-            row.finish_reason = "stop"
-        elif len(row.tokens) >= p.max_tokens or pos_next + 1 >= self.max_model_len:
-            row.finish_reason = "length"
-        return bool(row.finish_reason)
-
-    def _hit_stop(self, row: _Row) -> bool:
-        stops = row.req.params.stop
-        window = max(len(s) for s in stops) + 2  # a byte-level token is at least one byte
-        tail = self.tokenizer.decode(row.tokens[-window:], skip_special_tokens=True)
-        if not any(s in tail for s in stops):
-            return False
-        text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
-        cut = min((text.find(s) for s in stops if s in text), default=-1)
-        if cut < 0:
-            return False
-        row.text = text[:cut]
-        return True
-
-    def _prefill(self, batch: list[_Request]):
+    def _prefill(self, batch: list[Request]):
         """One prefill per prompt; each of its n rows starts from a copy of its cache."""
         expand = [i for i, r in enumerate(batch) for _ in range(r.params.n)]
         return self._prefill_seqs([r.ids for r in batch], expand)
 
-    def _prefill_rows(self, rows: list[_Row]):
+    def _prefill_rows(self, rows: list[Row]):
         """Continued rows: each prefilled from its own prompt + tokens so far, nothing shared."""
         return self._prefill_seqs([row.req.ids + row.tokens for row in rows], None)
 

@@ -24,9 +24,9 @@ def _engine(tiny_dir, **kw):
 
 def _batches(engine, ns: list[int]) -> list[int]:
     """The sizes of the batches the engine's loop would take from pending requests of n = ns (in order)."""
-    from actors.engines.hf import _Request
+    from actors.engines.hf_rows import Request
 
-    engine._pending = [_Request(task=t, params=type("P", (), {"n": t.n})(), ids=[], future=None, submitted_at=0.0)
+    engine._pending = [Request(task=t, params=type("P", (), {"n": t.n})(), ids=[], future=None, submitted_at=0.0)
                        for t in (_task(engine, k, n) for k, n in enumerate(ns))]
     sizes = []
     while engine._pending:
