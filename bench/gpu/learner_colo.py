@@ -2,31 +2,30 @@
 processes on one GPU (a learner and a TransformersEngine generator), checked bit for bit.
 
 Run through bench/gpu/learner.py (`MODE=colo python -m bench.gpu.learner`), which starts this module as its
-`--colo` child (`python -m bench.gpu.learner_colo --colo <spec>`, one ROW line out): h200 never imports it. Invariants: every wait on the generator process is bounded; the engine's
+`--colo` child (`python -m bench.gpu.learner_colo --colo <spec>`, one ROW line out): h200 never imports it. Invariants: every wait on the generator process is bounded, and ends at once when it exits; the engine's
 weights after a sync have the learner's exact bits (`fingerprint` on both sides).
 """
 from __future__ import annotations
 
 import time
 
-from bench.gpu.learner import LENS, SHAPES, SMOKE, build_model_dir, make_learner
+from bench.gpu.learner_kit import LENS, SHAPES, SMOKE, build_model_dir, make_learner
 
 
 def _engine_child(model_dir: str, cmd_q, res_q, device: str, expected_names_only: bool = False):
     """Generator process: TransformersEngine + a CUDA-IPC receiver, driven by (cmd, arg) messages."""
     import asyncio
-    from types import SimpleNamespace
 
     import torch
 
     from actors.engines.hf import TransformersEngine
+    from config import GeneratorConfig, ModelConfig
 
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    gcfg = SimpleNamespace(device=device, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=64, stop=[], seed=0,
-                           max_batch_prompts=16)
-    mcfg = SimpleNamespace(dtype="bfloat16", attn_implementation="sdpa", trust_remote_code=False, allow_download=False,
-                           tokenizer="")
+    gcfg = GeneratorConfig(engine="transformers", device=device, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=64,
+                           stop=[], seed=0, max_batch_prompts=16)
+    mcfg = ModelConfig(dtype="bfloat16", attn_implementation="sdpa")
     cuda = device.startswith("cuda")
 
     def mem():
@@ -139,14 +138,28 @@ def run_colo(spec: dict) -> dict:
     t = time.perf_counter()
     child.start()
 
+    def answer(timeout):
+        """The engine process's next answer, within `timeout`; its exit ends the wait at once."""
+        import queue
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return res_q.get(timeout=1.0)
+            except queue.Empty:
+                if not child.is_alive():
+                    raise RuntimeError(f"engine process exited (code {child.exitcode}) without an answer") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"engine process: no answer within {timeout} s") from None
+
     def call(cmd, arg=None, timeout=600):
         cmd_q.put((cmd, arg))
-        status, val = res_q.get(timeout=timeout)
+        status, val = answer(timeout)
         if status == "error":
             raise RuntimeError(f"engine process: {val}")
         return val
 
-    st, ready = res_q.get(timeout=600)
+    st, ready = answer(600)
     if st != "ready":
         raise RuntimeError(ready)
     ph["engine_init_s"] = round(time.perf_counter() - t, 2)

@@ -25,13 +25,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.gpu.learner import OUT, SMOKE, WORK, log, make_groups, make_learner, timed_step  # noqa: E402
+from bench.gpu.learner_kit import OUT, SMOKE, WORK, log, make_groups, make_learner, timed_step  # noqa: E402
 
 ATTN = {"unshared": "varlen", "unshared_flex": "prefix_flex", "shared": "sdpa"}  # sdpa + share -> flex on CUDA
 
 
 def make_batch(groups, mb_tokens: int, share: bool, step: int, seed: int):
-    """One TrainBatch of `groups` ((prompt, [completions]) as bench.gpu.learner.make_groups), planned per sample
+    """One TrainBatch of `groups` ((prompt, [completions]) as bench.gpu.learner_kit.make_groups), planned per sample
     (unshared) or per group (shared)."""
     import numpy as np
 
@@ -82,7 +82,7 @@ def run_variant(spec: dict) -> dict:
     row = dict(spec)
     learner, info = make_learner(model, 0, ATTN[name], "lk", mbt, gc=spec["gc"], share_prompt=share)
     row.update(info, attn_implementation=learner.attn_implementation, share_prompt=share)
-    from bench.gpu.learner import SHAPES
+    from bench.gpu.learner_kit import SHAPES
 
     vocab = SHAPES[model]["vocab_size"]
     # bf16 log-probs of fixed samples before any update (same weights in every variant)

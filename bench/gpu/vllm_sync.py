@@ -3,7 +3,7 @@
     python -m bench.gpu.vllm_sync                       # H200: VLLMEngine + Learner (ZeRO-0, bf16, use_liger)
     ENGINE=transformers MODEL=smoke python -m bench.gpu.vllm_sync   # CPU: the same script's plumbing
 
-A random-init Qwen3-0.6B-shaped model (built locally with bench.gpu.learner's builder, nothing downloaded), a
+A random-init Qwen3-0.6B-shaped model (built locally with bench.gpu.learner_kit's builder, nothing downloaded), a
 VLLMEngine (its engine core and worker in their own process) and the project's Learner in this process,
 on one GPU. Per cycle, the colocated step's edges in order: engine sleep(2) -> learner wake -> the
 learner's log-probs of the engine's last samples (mismatch KL at that version) -> one train step ->
@@ -175,7 +175,7 @@ async def sync(engine, learner, version: int, cuda: bool) -> dict:
 async def main() -> dict:
     import torch
 
-    from bench.gpu.learner import build_model_dir, make_learner
+    from bench.gpu.learner_kit import build_model_dir, make_learner
     from config import GeneratorConfig, ModelConfig
 
     if SYNC not in SYNCS:

@@ -25,3 +25,16 @@ def test_gpu_vllm_sync_bench_runs_on_cpu_with_the_transformers_engine_standing_i
     assert [m["version"] for m in res["mismatch_by_version"]] == [0, 1, 2]
     # after each sync the engine samples from the learner's weights, and far less from the initial ones
     assert max(m["mean_abs"] for m in res["mismatch_by_version"]) < res["v1_samples_vs_initial_weights"]["mean_abs"]
+
+
+def test_gpu_colocated_learner_bench_runs_on_cpu_and_the_engine_ends_with_the_learner_s_bits(tmp_path):
+    """bench/gpu/learner_colo.py's CPU smoke: its engine process is built from typed configs (a stand-in
+    namespace without `lora` killed it after LoRA landed, and the parent then waited 300 s for an answer)."""
+    spec = {"model": "smoke", "zero": 0, "attn": "varlen", "path": "plain", "mb_tokens": 128, "gc": True,
+            "checkpoint_layers": -1, "lr": 1e-4, "offload": False}
+    env = dict(os.environ, SMOKE="1", OUT=str(tmp_path), ARL_BENCH_WORK=str(tmp_path / "work"), PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-m", "bench.gpu.learner_colo", "--colo", json.dumps(spec)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=300)
+    rows = [json.loads(line[4:]) for line in out.stdout.splitlines() if line.startswith("ROW ")]
+    assert out.returncode == 0 and rows, out.stderr[-2000:]
+    assert rows[-1]["weights_bitwise_equal"] and rows[-1]["engine_version_after"] == 1, rows[-1]
