@@ -117,14 +117,15 @@ def make_groups(n_prompts: int, vocab: int, seed: int):
     return groups
 
 
-def make_train_batch(groups, mb_tokens: int, step: int = 0, seed: int = 0):
+def train_groups(groups, step: int, seed: int) -> list:
+    """TrainGroups of `groups` ((prompt, [completions]) as make_groups): random 0/1 rewards (never all equal),
+    their group-normalised advantages and random sampler log-probs, seeded."""
     import numpy as np
 
-    from policies.packing import plan_micro_batches
-    from queues.messages import TrainBatch, TrainGroup, pack_floats, pack_ids
+    from queues.messages import TrainGroup, pack_floats, pack_ids
 
     rng = np.random.default_rng(seed + 1000)
-    tgs, flat, lengths = [], [], []
+    tgs = []
     for gi, (p, comps) in enumerate(groups):
         rewards = rng.integers(0, 2, len(comps)).astype(float)
         if rewards.std() == 0:
@@ -133,13 +134,20 @@ def make_train_batch(groups, mb_tokens: int, step: int = 0, seed: int = 0):
         tgs.append(TrainGroup(prompt_id=f"p{gi}", prompt_tokens=pack_ids(p), completions=[pack_ids(c) for c in comps],
                               gen_logprobs=[pack_floats(-rng.random(len(c)).astype("float32")) for c in comps],
                               advantages=adv, rewards=rewards.tolist(), policy_version=step))
-        for si, c in enumerate(comps):
-            flat.append((gi, si))
-            lengths.append(len(p) + len(c))
+    return tgs
+
+
+def make_train_batch(groups, mb_tokens: int, step: int = 0, seed: int = 0):
+    """One TrainBatch of `groups`, planned per sample under `mb_tokens`."""
+    from policies.packing import plan_micro_batches
+    from queues.messages import TrainBatch
+
+    flat = [(gi, si) for gi, (_, comps) in enumerate(groups) for si in range(len(comps))]
+    lengths = [len(groups[gi][0]) + len(groups[gi][1][si]) for gi, si in flat]
     plan = plan_micro_batches(lengths, mb_tokens)
     mbs = [[flat[i] for i in mb] for mb in plan]
-    return TrainBatch(step=step, policy_version=step, groups=tgs, micro_batches=mbs, minibatches=[list(range(len(mbs)))],
-                      num_tokens=sum(lengths))
+    return TrainBatch(step=step, policy_version=step, groups=train_groups(groups, step, seed), micro_batches=mbs,
+                      minibatches=[list(range(len(mbs)))], num_tokens=sum(lengths))
 
 
 def batch_flops(groups, kw, n_params: int) -> tuple[float, float, int]:

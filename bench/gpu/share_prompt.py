@@ -25,7 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.gpu.learner_kit import OUT, SMOKE, WORK, log, make_groups, make_learner, timed_step  # noqa: E402
+from bench.gpu.learner_kit import OUT, SMOKE, WORK, log, make_groups, make_learner, timed_step, train_groups  # noqa: E402
 
 ATTN = {"unshared": "varlen", "unshared_flex": "prefix_flex", "shared": "sdpa"}  # sdpa + share -> flex on CUDA
 
@@ -33,22 +33,11 @@ ATTN = {"unshared": "varlen", "unshared_flex": "prefix_flex", "shared": "sdpa"} 
 def make_batch(groups, mb_tokens: int, share: bool, step: int, seed: int):
     """One TrainBatch of `groups` ((prompt, [completions]) as bench.gpu.learner_kit.make_groups), planned per sample
     (unshared) or per group (shared)."""
-    import numpy as np
-
     from policies.packing import plan_micro_batches
     from policies.prefix import plan_group_micro_batches
-    from queues.messages import TrainBatch, TrainGroup, pack_floats, pack_ids
+    from queues.messages import TrainBatch
 
-    rng = np.random.default_rng(seed + 1000)
-    tgs = []
-    for gi, (p, comps) in enumerate(groups):
-        rewards = rng.integers(0, 2, len(comps)).astype(float)
-        if rewards.std() == 0:
-            rewards[0] = 1 - rewards[0]
-        adv = ((rewards - rewards.mean()) / (rewards.std() + 1e-6)).tolist()
-        tgs.append(TrainGroup(prompt_id=f"p{gi}", prompt_tokens=pack_ids(p), completions=[pack_ids(c) for c in comps],
-                              gen_logprobs=[pack_floats(-rng.random(len(c)).astype("float32")) for c in comps],
-                              advantages=adv, rewards=rewards.tolist(), policy_version=step))
+    tgs = train_groups(groups, step, seed)
     if share:
         mbs, tokens = plan_group_micro_batches([len(p) for p, _ in groups], [[len(c) for c in cs] for _, cs in groups],
                                                mb_tokens)
