@@ -5,7 +5,7 @@
 
 Two halves of --minutes / 2 each, one after the other: "colocated" (tiny as shipped, one learner rank)
 and "async" (coordinator.mode=async, learner.num_ranks=2, assembler.max_staleness=1). Each half is one
-launch of `python -m launch.cluster tiny` (bench.faults.chaos.Launch) with a step count it never reaches,
+launch of `python -m launch.cluster tiny` (bench.faults.procs.Launch) with a step count it never reaches,
 cluster.max_relaunches high (the launcher's own relaunch from the latest checkpoint is what a learner
 or coordinator death exercises), Redis with AOF, and every bound of the run set short (BOUNDS). Every
 ~fault_every seconds (uniform 0.5x-1.5x, seeded), once the previous fault was recovered from, one
@@ -13,7 +13,7 @@ fault (the first once the run has a checkpoint) is drawn at random from FAULTS (
 kind comes up once in each len(FAULTS) faults):
 
   generator / scorer / assembler / learner (one rank) / coordinator: SIGKILL of that actor's process
-      (found by Ray's process title among the launcher's descendants, bench.faults.chaos.find_pids);
+      (found by Ray's process title among the launcher's descendants, bench.faults.procs.find_pids);
   redis: SIGKILL of the embedded redis-server, which the launcher's supervisor restarts from its AOF;
   hostile: a burst of RolloutGroups in the run's rollouts stream whose samples are hostile SQL
       (bench.hostile: endless CTEs, writes, stacked statements, ~100 kB queries, 1 MB of garbage) and
@@ -47,7 +47,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.faults.chaos import Launch, _common, _wait_rows, descendants, find_pids, rows, verify
+from bench.faults.chaos import _common, _wait_rows, rows, verify
+from bench.faults.procs import Launch, find_pids
+from bench.faults.rss import RSS_EVERY_S, RSS_WARM_S, RssLog
 from bench.hostile import HOSTILE_SQL, huge_text
 
 FAULTS = ("generator", "scorer", "assembler", "learner", "coordinator", "redis", "hostile")
@@ -63,73 +65,9 @@ HALVES = {
     "colocated": [],
     "async": ["coordinator.mode=async", "assembler.max_staleness=1", "learner.num_ranks=2", "learner.num_cpus=0.25"],
 }
-RSS_WARM_S = 60.0
-RSS_EVERY_S = 20.0
 
 
 # -- processes and Redis -----------------------------------------------------------------------
-
-def _rss_kb(pid: int) -> int | None:
-    try:
-        for line in open(f"/proc/{pid}/status"):
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _name(cmd: str) -> str:
-    """A process's role: Ray's title (ray::Coordinator), `python <script or module>`, or the executable."""
-    words = cmd.split(" ")
-    if words[0].startswith("ray::"):
-        # ray::<Class>[.<method running>], or ray::<run>:relaunch<k>:<role>:<Class>[.<method>] for a named actor
-        parts = words[0][len("ray::"):].split(".", 1)[0].split(":")
-        return f"ray::{parts[-1]}" + (f" ({parts[-2]})" if len(parts) > 1 else "")
-    base = os.path.basename(words[0])
-    if base.startswith("python"):
-        if "-m" in words[1:-1]:
-            return f"python -m {words[words.index('-m') + 1]}"
-        if "multiprocessing" in cmd:
-            return "python (multiprocessing child: sandbox/executor worker)"
-        script = next((w for w in words[1:] if w.endswith(".py")), "")
-        return f"python {os.path.basename(script)}".strip()
-    return base or "?"
-
-
-class RssLog:
-    """Per process of the launcher's tree (the launcher included): its first sample once it is `warm_s`
-    old (as seen here) and after `warm_after`, and its last sample."""
-
-    def __init__(self, warm_s: float = RSS_WARM_S):
-        self.procs: dict[int, dict] = {}
-        self.warm_s = warm_s
-
-    def sample(self, root: int, now: float, warm_after: float) -> None:
-        try:
-            own = {root: open(f"/proc/{root}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")}
-        except OSError:
-            own = {}
-        for pid, cmd in {**own, **descendants(root)}.items():
-            rss = _rss_kb(pid)
-            if rss is None:
-                continue
-            p = self.procs.setdefault(pid, {"name": _name(cmd), "seen": now, "start_kb": None, "start_t": None})
-            if p["start_kb"] is None and now - p["seen"] >= self.warm_s and now >= warm_after:
-                p["start_kb"], p["start_t"] = rss, now
-            p["end_kb"], p["end_t"] = rss, now
-
-    def report(self, end_t: float, min_life_s: float) -> list[dict]:
-        """Processes sampled warm and alive at the end, that lived at least min_life_s between."""
-        out = []
-        for pid, p in sorted(self.procs.items(), key=lambda kv: kv[1]["name"]):
-            if p["start_kb"] is None or end_t - p["end_t"] > 2 * RSS_EVERY_S or p["end_t"] - p["start_t"] < min_life_s:
-                continue
-            out.append({"pid": pid, "name": p["name"], "minutes": round((p["end_t"] - p["start_t"]) / 60, 1),
-                        "start_mb": round(p["start_kb"] / 1024, 1), "end_mb": round(p["end_kb"] / 1024, 1),
-                        "growth_pct": round(100 * (p["end_kb"] - p["start_kb"]) / p["start_kb"], 1)})
-        return out
-
 
 def redis_url(root: int) -> str | None:
     """The embedded redis-server's unix socket, from its process title (`redis-server unixsocket:<path>`)."""

@@ -27,7 +27,8 @@ def test_a_generator_frozen_mid_run_is_restarted_in_place_and_the_run_ends_whole
     failed (23 s at load ~60, most of it the new instance's start and engine build; before: its collect
     waited step_timeout_s again and failed the 7 prompts the frozen instance held, 74 s after the restart),
     and the run goes on without a relaunch, ending 0 with nothing lost or trained twice and no process left."""
-    from bench.faults.chaos import Launch, _common, _wait_rows, find_pids, rows, verify
+    from bench.faults.chaos import _common, _wait_rows, rows, verify
+    from bench.faults.procs import Launch, find_pids
 
     # call_timeout_s: above the slowest healthy call of tiny on a machine at load ~30 (a checkpoint save,
     # a few seconds idle); step_timeout_s: above its slowest healthy generation (8 prompts: 1-3 s at

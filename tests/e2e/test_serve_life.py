@@ -114,7 +114,7 @@ def test_beyond_loopback_only_the_proxy_is_exposed_it_needs_the_key_and_sigterm_
     psutil = pytest.importorskip("psutil")
     import httpx
 
-    from bench.faults.chaos import descendants
+    from bench.faults.procs import descendants
     from tests.tiny_export import build
 
     model, bird = build(tmp_path / "export")

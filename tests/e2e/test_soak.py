@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from bench.faults import soak
+from bench.faults import rss, soak
 
 
 @pytest.mark.slow  # two whole tiny runs under faults
@@ -42,10 +42,10 @@ def test_a_short_soak_loses_doubles_and_hangs_nothing(tmp_path):
 
 
 def test_the_rss_log_names_each_actor_by_its_class_and_role_and_samples_the_launcher_itself():
-    assert soak._name("ray::LearnerShell.train_from_stream") == "ray::LearnerShell"
-    assert soak._name("ray::soak-async:relaunch2:learner-1:LearnerShell.sleep") == "ray::LearnerShell (learner-1)"
-    assert soak._name("/x/.venv/bin/python -m launch.cluster tiny run_id=a") == "python -m launch.cluster"
-    log = soak.RssLog(warm_s=0.0)
+    assert rss._name("ray::LearnerShell.train_from_stream") == "ray::LearnerShell"
+    assert rss._name("ray::soak-async:relaunch2:learner-1:LearnerShell.sleep") == "ray::LearnerShell (learner-1)"
+    assert rss._name("/x/.venv/bin/python -m launch.cluster tiny run_id=a") == "python -m launch.cluster"
+    log = rss.RssLog(warm_s=0.0)
     log.sample(os.getpid(), now=10.0, warm_after=0.0)  # this process stands in for the launcher (the tree's root)
     log.sample(os.getpid(), now=30.0, warm_after=0.0)
     mine = log.procs[os.getpid()]

@@ -336,7 +336,7 @@ def test_a_generator_hung_mid_sync_fails_the_learners_send_within_the_bound_and_
 def _rank_pid(launch, run_dir, rank: int, not_pid: int = 0) -> int:
     """The pid of learner rank `rank` among the launcher's descendants: the process that holds
     logs/learner-<rank>.jsonl open (every rank writes its own)."""
-    from bench.faults.chaos import find_pids
+    from bench.faults.procs import find_pids
 
     log = str(run_dir / "logs" / f"learner-{rank}.jsonl")
     deadline = time.monotonic() + GUARD_S
@@ -357,7 +357,8 @@ def test_a_learner_rank_hung_then_killed_mid_run_is_relaunched_each_time(tmp_pat
     that relaunch the new rank 1 is SIGKILLed. Each time rank 0's collective fails (by the bound, then
     at once), the launcher relaunches from the latest checkpoint, and the run ends 0 with nothing lost
     or trained twice and no process left."""
-    from bench.faults.chaos import Launch, _common, _wait_log, _wait_rows, rows, verify
+    from bench.faults.chaos import _common, _wait_log, _wait_rows, rows, verify
+    from bench.faults.procs import Launch
 
     # The bound also covers the world's join and model load (the ranks' skew there): 30 s on a busy machine.
     steps, per_step, bound = 8, 8, 30

@@ -48,7 +48,7 @@ def test_ray_on_loopback_makes_the_node_address_loopback_and_restores_it():
 
 
 def test_run_with_password_listens_on_loopback_and_never_logs_the_password(tmp_path):
-    from bench.faults.chaos import descendants
+    from bench.faults.procs import descendants
 
     with EmbeddedRedis(tmp_path / "redis", tcp_port=0, password=SECRET) as server:
         url = f"redis://:{SECRET}@127.0.0.1:{server.tcp_port}/0"
