@@ -15,11 +15,9 @@ Invariants:
   sampled; they never renormalise the reported log-prob. So a teacher-forced forward of the
   same weights at the same temperature reproduces these numbers and the PPO ratio is exactly
   1 at the first update.
-- A row ends with "stop" on an eos/pad token (the token is kept in `tokens`, as vLLM does) or
-  when a configured stop string appears in its decoded text (tokens kept up to and including
-  the one completing the string; the text is cut before the string), and with "length" at
-  max_tokens or at the model's max_position_embeddings. "abort" after `abort()` (actors/engines/hf_rows.py:
-  the requests, their rows and the groups they become).
+- A row ends as actors/engines/hf_rows.py says ("stop" on eos/pad or a stop string, "length" at max_tokens or
+  the model's last position, "abort" after `abort()`); that module holds the requests, their rows and the
+  groups they become.
 - Sleep: level 1 keeps a CPU copy of every weight and frees the device tensors; level 2 frees
   them with no copy, so after `wake(["weights"])` the parameters are allocated but empty and
   `generate` refuses (EngineAsleep) until `load_weights` has filled every tensor and

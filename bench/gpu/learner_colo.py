@@ -2,7 +2,8 @@
 processes on one GPU (a learner and a TransformersEngine generator), checked bit for bit.
 
 Run through bench/gpu/learner.py (`MODE=colo python -m bench.gpu.learner`), which starts this module as its
-`--colo` child (`python -m bench.gpu.learner_colo --colo <spec>`, one ROW line out): h200 never imports it. Invariants: every wait on the generator process is bounded, and ends at once when it exits; the engine's
+`--colo` child (`python -m bench.gpu.learner_colo --colo <spec>`, one ROW line out): h200 never imports it.
+Invariants: every wait on the generator process is bounded, and ends at once when it exits; the engine's
 weights after a sync have the learner's exact bits (`fingerprint` on both sides).
 """
 from __future__ import annotations

@@ -10,12 +10,9 @@ tokens; `timed_step` synchronises the device on both sides of the step it times.
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
 
 SMOKE = os.environ.get("SMOKE", "") not in ("", "0")
 OUT = os.environ.get("OUT") or "/tmp/arl_h200_out"
