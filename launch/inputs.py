@@ -8,7 +8,8 @@ Invariants:
   launch.warm_start.draw in one spawned child process, whose log lines go to the launcher's log and
   console as if the launcher wrote them. The launcher therefore never imports transformers or torch:
   they were ~220 MB of its RSS for the whole run (docs/perf/peers.md); tests/e2e/test_tiny_e2e.py checks
-  the launcher's `run finished` line says so (`launcher_torch`).
+  the launcher's `run finished` line says so (`launcher_torch`). A tiny run whose model/ is already built (from an
+  export, or resumed) reuses it and renders its prompts with `tokenizers` alone: that child imports neither.
 - A failure in the child is raised in the parent as the same exception (ConfigError, BirdDataError: one
   line; anything unpicklable as a RuntimeError with its one line); a child that dies without an answer is
   a RuntimeError naming its exit code. The wait is bounded (INPUTS_TIMEOUT_S), and the child is ended
@@ -71,6 +72,9 @@ def prepare_model_and_data(cfg: RunConfig, run_dir: Path, log) -> tuple[str, str
         from tasks.tiny_model import build_tiny
 
         model_path = str(layout.model_dir(run_dir))
+        if tiny_built(model_path):  # a run from an export or a resumed run: reused, nothing imported
+            log.info("reusing tiny tokenizer and model", dir=model_path)
+            return model_path, bird_dir
         log.info("building tiny tokenizer and model", dir=model_path)
         from transformers.utils import logging as hf_logging
 
@@ -81,17 +85,35 @@ def prepare_model_and_data(cfg: RunConfig, run_dir: Path, log) -> tuple[str, str
     return model_path, bird_dir
 
 
-def load_prompts(cfg: RunConfig, model_path: str, bird_dir: str, log) -> tuple[list, list]:
+def tiny_built(model_path: str) -> bool:
+    """Whether tasks.tiny_model.build_tiny would reuse `model_path` as it is (its own test, without its imports)."""
+    return all((Path(model_path) / f).exists() for f in ("config.json", "tokenizer.json"))
+
+
+def prompt_tokenizer(cfg: RunConfig, model_path: str):
+    """The tokenizer prompts are rendered with. tiny's compact prompts skip the chat template, and its tokenizer
+    is our own byte-level BPE with no special tokens added (tasks.tiny_model.build_tokenizer), so
+    `tokenizers.Tokenizer` encodes them to the same ids as transformers' tokenizer over the same file
+    (tests/unit/test_inputs_tokenizer.py) without importing transformers and torch (~3 CPU-s on the path to
+    the first step). Every other model: transformers' AutoTokenizer."""
+    tok_file = Path(cfg.model.tokenizer or model_path) / "tokenizer.json"
+    if cfg.model.source == "tiny" and tok_file.exists():
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(tok_file))
     from transformers import AutoTokenizer
 
-    from tasks.bird import build_prompts, load_split
-
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path,
-                                                  trust_remote_code=cfg.model.trust_remote_code)
+        return AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path, trust_remote_code=cfg.model.trust_remote_code)
     except OSError as e:
         raise ConfigError(f"config key 'model.path': cannot load a tokenizer from {model_path!r} "
                           f"({str(e).splitlines()[0]})") from None
+
+
+def load_prompts(cfg: RunConfig, model_path: str, bird_dir: str, log) -> tuple[list, list]:
+    from tasks.bird import build_prompts, load_split
+
+    tokenizer = prompt_tokenizer(cfg, model_path)
     style = "compact" if cfg.model.source == "tiny" else "omnisql"
     out = []
     for split, limit in ((cfg.data.train_split, cfg.data.limit), (cfg.data.eval_split, cfg.data.eval_size)):
