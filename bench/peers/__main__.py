@@ -11,7 +11,9 @@ What runs, in order (each command a child process whose whole process tree's RSS
 2. the warm-started export, once per $OUT (a later command with the same OUT reuses it), through our
    launcher (bench/peers/ours.py: tiny's warm start, then one step at lr 1e-30), given to both sides;
 3. our run(s) from it: `tiny` as is (held-out evals every 10 steps) and, unless SMOKE, with
-   coordinator.eval_every=0 (the training loop alone);
+   coordinator.eval_every=0 (the training loop alone) and in async mode at staleness 1 (PEERS_ASYNC_ROW=0:
+   not); the project's sources byte-compiled first, as on any machine after its first run (TRL's venv is
+   compiled by pip; this one may run with PYTHONDONTWRITEBYTECODE);
 4. TRL's GRPOTrainer from the same export on the same prompts in the same order (bench/peers/trl_side.py);
 5. the same `launch.eval` on every final model over the held-out split: greedy (EX by BIRD's rule and
    strict) and 4 samples at T=1 (the mean training reward of those samples, our reward code).
@@ -53,10 +55,15 @@ def log(msg: str) -> None:
     print(f"[peers {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+ASYNC = ["coordinator.mode=async", "assembler.max_staleness=1"]
+
+
 def our_variants() -> list[tuple[str, list[str]]]:
     rows = [("arctic-rl tiny (evals every 10 steps, as the recipe)", [])]
     if not SMOKE and os.environ.get("PEERS_NO_EVAL_ROW", "1") not in ("", "0"):
         rows.append(("arctic-rl tiny, coordinator.eval_every=0", ["coordinator.eval_every=0"]))
+    if not SMOKE and os.environ.get("PEERS_ASYNC_ROW", "1") not in ("", "0"):
+        rows.append(("arctic-rl tiny, " + " ".join(ASYNC) + " (evals every 10 steps)", list(ASYNC)))
     return rows
 
 
@@ -80,6 +87,12 @@ def settings(steps: int, seed: int | None = None) -> dict:
             "clip_low": lr.clip_low, "clip_high": lr.clip_high, "seed": cfg.seed,
             "scorer": {"workers": sc.workers, "timeout_s": sc.timeout_s, "max_rows": sc.max_rows,
                        "memory_mb": sc.memory_mb}}
+
+
+def after_last_step(t: TreeRun, row: dict) -> dict:
+    """Seconds from the last step's end to the command's exit (the run's end: export, teardown)."""
+    last = t.start + row["first_step_s"] + row["loop_s"] if row.get("first_step_s") is not None else None
+    return {"after_last_step_s": t.start + t.wall_s - last} if last is not None else {}
 
 
 def tree_fields(t: TreeRun, samples: int) -> dict:
@@ -127,6 +140,7 @@ def run_ours(root: Path, name: str, extra: list[str], i: int, samples_per_step: 
     row = {"name": name, "side": "ours", "seed": seed, "command": " ".join(cmd[1:]), **tree_fields(t, STEPS * samples_per_step),
            **ours.ours_numbers(run_dir, t.start, samples_per_step)}
     rows = ours.metrics_rows(run_dir)
+    row.update(after_last_step(t, row))
     row["prompts_trained"] = sum(int(r.get("prompts_trained") or 0) for r in rows if r.get("step", -1) >= 0)
     row["startup"] = ours.startup_profile(run_dir, t.start, t.spawned)
     row["per_step"] = ours.step_profile(rows)
@@ -164,6 +178,7 @@ def run_trl(root: Path, venv: Path, samples_per_step: int, seed: int | None = No
                ("t_ready", "GRPOTrainer built"), ("t_trained", "train() returned"), ("t_saved", "model saved"))]
                                      + ([{"at_s": round(ends[0] - t.start, 2), "what": "first step done",
                                           "source": "trl_steps.jsonl"}] if ends else []))}
+    row.update(after_last_step(t, row))
     return row
 
 
@@ -311,6 +326,7 @@ def main() -> int:
         log(f"peer venv {venv}: {vers}")
     result: dict = {"steps": STEPS, "smoke": SMOKE, "settings": per_step, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                     "load_before": os.getloadavg(), "cpus": os.cpu_count()}
+    log(f"byte-compiled the project's sources: {ours.compile_sources()}")
     result["export"] = make_export(root)
     bird_dir = root / "warm" / "data"
     runs = []  # one {"seed", "rows", "peer", "load"} per seed

@@ -11,7 +11,8 @@ from __future__ import annotations
 COLUMNS = [
     ("samples_per_s_e2e", "samples/s end to end", "{:.1f}"),
     ("samples_per_s_step", "samples/s per step (median)", "{:.1f}"),
-    ("first_step_s", "s to first step", "{:.0f}"),
+    ("first_step_s", "s to first step", "{:.1f}"),
+    ("after_last_step_s", "s after the last step", "{:.1f}"),
     ("s_per_step_median", "s/step (median)", "{:.2f}"),
     ("wall_s", "whole command, s", "{:.0f}"),
     ("ex_greedy", "held-out greedy EX (BIRD rule)", "{:.3f}"),
@@ -58,8 +59,8 @@ def report(rows: list[dict], peer: dict | None, differences: list[str]) -> str:
     return "\n".join(lines)
 
 
-SEED_COLUMNS = ("samples_per_s_e2e", "samples_per_s_step", "s_per_step_median", "ex_greedy", "sampled_reward",
-                "peak_rss_gb", "peak_pss_gb")
+SEED_COLUMNS = ("samples_per_s_e2e", "samples_per_s_step", "first_step_s", "after_last_step_s", "ex_greedy",
+                "sampled_reward", "peak_rss_gb", "peak_pss_gb")
 
 
 def _strip_seed(name: str) -> str:

@@ -25,7 +25,7 @@ def test_table_prints_every_side_the_ratios_and_the_differences():
     text = table.report([ours_row], peer, ["one difference", "another"])
     lines = text.splitlines()
     assert lines[0].startswith("| | samples/s end to end |") and lines[1].startswith("| --- |")
-    assert lines[2] == "| ours | 60.0 | 100.0 | 40 | 1.28 | 128 | 0.500 | 0.480 | 0.410 | 2.50 (27 proc.) | 1.50 |"
+    assert lines[2] == "| ours | 60.0 | 100.0 | 40.0 | - | 1.28 | 128 | 0.500 | 0.480 | 0.410 | 2.50 (27 proc.) | 1.50 |"
     assert lines[3].startswith("| TRL | 40.0 |") and "| - |" in lines[3]  # a missing number is "-", never 0
     assert "samples/s end to end 1.50x, per step 1.25x, peak memory 2.50x (RSS), 1.50x (PSS)" in text
     assert text.endswith("- one difference\n- another")
@@ -49,6 +49,17 @@ def test_timeline_from_step_end_times():
     assert t["s_per_step_median"] == 1.0 and t["samples_per_s_step"] == 128.0
     assert t["samples_per_s_loop"] == pytest.approx(128 * 3 / 4.0)
     assert ours.timeline([], 0.0, 128) == {}
+
+
+def test_the_end_is_the_command_after_its_last_step():
+    from bench.peers.__main__ import after_last_step
+
+    class Tree:
+        start, wall_s = 100.0, 30.0
+
+    row = ours.timeline([110.0, 111.0, 113.0, 129.0], start=100.0, samples_per_step=128)
+    assert after_last_step(Tree, row) == {"after_last_step_s": pytest.approx(1.0)}
+    assert after_last_step(Tree, {}) == {}
 
 
 def test_step_profile_separates_the_step_from_what_lies_between_steps():
