@@ -16,6 +16,7 @@ FLASH_ATTENTION_IMPLS = ("flash_attention_2", "flash_attention_3", "kernels-comm
                          "kernels-community/flash-attn3")
 VARLEN = "varlen"  # actors/learner/attention.py registers it with transformers' AttentionInterface
 FLEX = "prefix_flex"  # actors/learner/attention_flex.py registers it (FlexAttention, segment + branch block mask)
+SEGMENTS = "segments"  # actors/learner/attention_segments.py registers it (sdpa per attention segment: the CPU path)
 
 
 def expresses_shared_prefix(attn_implementation: str) -> bool:

@@ -12,7 +12,11 @@ Invariants:
     * "varlen" (actors/learner/attention.py; the learner's choice on a GPU without flash-attn): torch's
       varlen_attn over the row, cut by `PackedBatch.varlen_kwargs()` (cu_seqlens with trailing
       padding as a segment of its own, and the longest segment as a python int); no mask.
-    * sdpa / eager (CPU, tests): an explicit block-diagonal causal 4D mask is built and passed.
+    * "segments" (actors/learner/attention_segments.py; the learner's choice on CPU): one sdpa per attention
+      segment of the row (`PackedBatch.segment_blocks`: a sample, or a group's shared prompt with its
+      responses), with that segment's own mask where it has branches: the scores a [T, T] mask would
+      compute only to discard (all but the diagonal blocks) are never computed.
+    * sdpa / eager (tests, or asked for by name): an explicit block-diagonal causal 4D mask is built and passed.
     * "prefix_flex" (actors/learner/attention_flex.py, CUDA): FlexAttention with a block mask built from
       `segment_ids` / `branch_ids`; it also expresses the shared-prompt rows of policies/prefix.py.
 - The attention rule, one for every layout: query q may see key k iff `segment_ids` are equal,
@@ -36,13 +40,13 @@ from typing import Sequence
 
 import torch
 
-from config.schema import FLASH_ATTENTION_IMPLS, FLEX, VARLEN, expresses_shared_prefix  # noqa: F401 (re-exported)
+from config.schema import FLASH_ATTENTION_IMPLS, FLEX, SEGMENTS, VARLEN, expresses_shared_prefix  # noqa: F401 (re-exported)
 from policies.plan import OversizedSampleWarning, padding_fraction, plan_micro_batches, split_minibatches  # noqa: F401 (re-exported)
 
 
 def needs_dense_mask(attn_implementation: str) -> bool:
     """False for the implementations that keep samples apart themselves (no [T, T] mask)."""
-    return attn_implementation not in FLASH_ATTENTION_IMPLS and attn_implementation not in (VARLEN, FLEX)
+    return attn_implementation not in FLASH_ATTENTION_IMPLS and attn_implementation not in (VARLEN, FLEX, SEGMENTS)
 
 
 @dataclass
@@ -138,6 +142,24 @@ class PackedBatch:
         if not needs_dense_mask(attn_implementation):
             return None
         return block_causal_mask(self.segment_ids[0], dtype, self.branch_ids[0])
+
+    def segment_blocks(self, dtype: torch.dtype = torch.float32) -> list[tuple[int, int, torch.Tensor | None]]:
+        """The row cut into its attention segments: (start, end, mask) for each run of one segment id (a run of
+        padding included), `mask` the run's own [1, 1, L, L] additive mask (`block_causal_mask` of the run) where
+        the run has branches or padding, None where it is plain causal. Queries of one run see keys of that run
+        only (the module's rule), so attention run by run is the whole row's attention. Built once per device
+        and dtype (`attn_cache`)."""
+        key = ("segments", dtype, self.input_ids.device)
+        if key not in self.attn_cache:
+            seg, br = self.segment_ids[0], self.branch_ids[0]
+            cuts = ((seg[1:] != seg[:-1]).nonzero().reshape(-1) + 1).tolist()
+            bounds = [0, *cuts, seg.shape[0]]
+            blocks = []
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                plain = int(seg[a]) >= 0 and not bool((br[a:b] != 0).any())
+                blocks.append((a, b, None if plain else block_causal_mask(seg[a:b], dtype, br[a:b])))
+            self.attn_cache[key] = blocks
+        return self.attn_cache[key]
 
     def varlen_cu_seqlens(self) -> torch.Tensor:
         """cu_seqlens covering the whole row: the samples, then trailing padding as one segment."""

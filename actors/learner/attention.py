@@ -12,8 +12,10 @@ group's prompt once and its responses after it (policies/prefix.py): only "prefi
   to the model as `cu_seq_lens_q` / `max_length_q` (transformers forwards them to the attention
   function); without them they are derived from the restarting position ids. GQA is native, no
   [T, T] mask is ever built. Registered with transformers' AttentionInterface under "varlen".
+- "segments" (actors/learner/attention_segments.py): one sdpa per attention segment of the row; the CPU path,
+  shared prompts included.
 - sdpa / eager with the block-diagonal [1, 1, T, T] additive mask (PackedBatch.attention_mask):
-  the CPU path, and the fallback. It is exact but computes all T^2 scores of the row (on an H200
+  the fallback. It is exact but computes all T^2 scores of the row (on an H200
   at 32k tokens: 3.5x slower than varlen and 87 GiB, docs/perf/h200.md).
 
 Off CUDA, or where varlen_attn is missing, the "varlen" function runs one sdpa(is_causal) per
@@ -31,6 +33,7 @@ import torch
 from policies.packing import (  # noqa: F401
     FLASH_ATTENTION_IMPLS,
     FLEX,
+    SEGMENTS,
     VARLEN,
     expresses_shared_prefix,
     needs_dense_mask,  # (re-exported)
@@ -53,18 +56,22 @@ def flash_attn_installed() -> bool:
 def select_attn_implementation(requested: str, device: torch.device | str, share_prompt: bool = False) -> str:
     """The attention implementation the learner builds its model with.
 
+    Off CUDA, "sdpa" and "auto" become "segments" (actors/learner/attention_segments.py: one sdpa per attention
+    segment, shared prompts included), whatever `share_prompt`.
     With `share_prompt` (learner.share_prompt: rows whose responses share a prompt, policies/prefix.py):
-    "sdpa" / "auto" become "prefix_flex" (actors/learner/attention_flex.py) on CUDA and stay "sdpa" with the
-    dense mask elsewhere; flash / "varlen" cannot express the mask: a ValueError naming the field.
+    "sdpa" / "auto" become "prefix_flex" (actors/learner/attention_flex.py) on CUDA;
+    flash / "varlen" cannot express the mask: a ValueError naming the field.
     Without it:
 
     - "varlen": always honoured (on CPU it runs the per-sample sdpa loop; see the module doc).
     - "sdpa" or "auto" on CUDA without flash_attn, where torch has varlen_attn: "varlen", because
       sdpa over a packed row needs the dense block-diagonal mask.
     - "auto" on CUDA with flash_attn installed: "flash_attention_2".
-    - "auto" elsewhere: "sdpa" (block-diagonal mask). Anything else: unchanged.
+    - Anything else: unchanged ("eager" keeps the dense block-diagonal mask).
     """
     dev = torch.device(device)
+    if dev.type != "cuda" and requested in ("sdpa", "auto"):
+        return SEGMENTS
     if share_prompt:
         if not expresses_shared_prefix(requested):
             raise ValueError(f"model.attn_implementation={requested!r} cannot express learner.share_prompt's mask "
@@ -152,6 +159,16 @@ def _torch_varlen(q, k, v, cu: torch.Tensor, max_len: int, scale: float | None) 
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
 
 
+def check_packed_call(name: str, query: torch.Tensor, dropout: float, sliding_window: int | None) -> None:
+    """What the packed-row attention functions (varlen, segments) refuse: a batch of rows, dropout, sliding windows."""
+    if query.shape[0] != 1:
+        raise ValueError(f"{name} attention takes one packed row, got batch {query.shape[0]}")
+    if dropout:
+        raise NotImplementedError(f"{name} attention: attention dropout is not supported")
+    if sliding_window is not None:
+        raise NotImplementedError(f"{name} attention: sliding-window layers are not supported")
+
+
 def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                              sliding_window: int | None = None, **kwargs: Any):
@@ -159,12 +176,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
 
     Causal within each segment given by `cu_seq_lens_q` (+ `max_length_q`), else by `position_ids`.
     """
-    if query.shape[0] != 1:
-        raise ValueError(f"varlen attention takes one packed row, got batch {query.shape[0]}")
-    if dropout:
-        raise NotImplementedError("varlen attention: attention dropout is not supported")
-    if sliding_window is not None:
-        raise NotImplementedError("varlen attention: sliding-window layers are not supported")
+    check_packed_call("varlen", query, dropout, sliding_window)
     cu = kwargs.get("cu_seq_lens_q")
     max_len = kwargs.get("max_length_q")
     if cu is None:

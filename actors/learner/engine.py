@@ -29,7 +29,7 @@ import torch
 
 from actors import lora
 from actors.dtypes import torch_dtype
-from actors.learner import attention, attention_flex, weights_out
+from actors.learner import attention, attention_flex, attention_segments, weights_out
 from actors.learner.logprob_head import (
     LogProbHead,
     apply_liger_kernels,
@@ -130,6 +130,8 @@ class LearnerEngine:
             attention.register()
         if self.attn_implementation == attention.FLEX:
             attention_flex.register()
+        if self.attn_implementation == attention.SEGMENTS:
+            attention_segments.register()
         # Rows padded to flex's block size on CUDA (at most 127 positions, never in the loss).
         self.pad_multiple = attention_flex.BLOCK if (self.attn_implementation == attention.FLEX
                                                      and self.device.type == "cuda") else 1
@@ -138,7 +140,9 @@ class LearnerEngine:
                      reason="packed rows: varlen attention over cu_seqlens instead of sdpa's dense [T, T] mask"
                      if self.attn_implementation == attention.VARLEN else
                      "learner.share_prompt: flex attention over segment and branch ids"
-                     if self.attn_implementation == attention.FLEX else "auto")
+                     if self.attn_implementation == attention.FLEX else
+                     "one sdpa per attention segment of a packed row, not one over a [T, T] mask"
+                     if self.attn_implementation == attention.SEGMENTS else "auto")
         self.use_liger = bool(learner_cfg.use_liger) and self.device.type == "cuda"
         if learner_cfg.use_liger and not self.use_liger:
             log.info("learner.logprob_path", path="torch", reason="use_liger needs a CUDA device; plain log_softmax on CPU")
@@ -262,6 +266,8 @@ class LearnerEngine:
             return attention_flex.block_mask_for(mb), {}
         if impl == attention.VARLEN:
             return None, mb.varlen_kwargs()
+        if impl == attention.SEGMENTS:
+            return None, {"segment_blocks": mb.segment_blocks(self.dtype)}
         return mb.attention_mask(impl, self.dtype), {}
 
     def _optimizer_step(self) -> float:

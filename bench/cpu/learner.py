@@ -11,7 +11,7 @@ layout (every sample padded to [max prompt + max response]) with token-budget pa
 padded to its full budget (a static-shape kernel); the varlen path pads nothing at all.
 Part 1b: learner tokens per step with learner.share_prompt (policies/prefix.py: each group's prompt
 once per micro-batch, groups planned as units) against one prompt copy per sample, same step.
-Part 2 times Learner.train_step on this CPU (fp32, ZeRO 0, sdpa + the dense mask), unshared and
+Part 2 times Learner.train_step on this CPU (fp32, ZeRO 0, the learner's CPU attention: one sdpa per attention segment), unshared and
 shared on the same batches. Output is markdown tables on stdout.
 """
 from __future__ import annotations
@@ -180,7 +180,7 @@ def main() -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "2")
         shape = CPU_SHAPES[args.cpu_shape]
         print(f"\n## CPU train_step, {args.cpu_shape} shape {shape}: Qwen3 h{shape['hidden']}, 2 layers, fp32, "
-              f"ZeRO 0, sdpa + dense mask ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)\n")
+              f"ZeRO 0, sdpa per attention segment ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)\n")
         print("| share_prompt | tokens/step | micro-batches | step s | samples/s | train_step tok/s | fwd+bwd tok/s | "
               "old-logprob fwd tok/s |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -299,7 +299,7 @@ def test_varlen_attention_through_the_learner_equals_the_masked_path(model_dir):
     varlen = Learner(LearnerConfig(zero_stage=0, dtype="float32", lr=1e-2, device="cpu", share_prompt=False),
                      ModelConfig(dtype="float32", attn_implementation="varlen"), model_dir, total_steps=10,
                      micro_batch_tokens=64, temperature=TEMPERATURE)
-    assert varlen.attn_implementation == "varlen" and masked.attn_implementation == "sdpa"
+    assert varlen.attn_implementation == "varlen" and masked.attn_implementation == "segments"
     seqs = sequences(make_batch(seed=16))
     for a, b in zip(masked.logprobs(seqs), varlen.logprobs(seqs)):
         assert torch.allclose(a, b, atol=1e-5)
@@ -308,11 +308,30 @@ def test_varlen_attention_through_the_learner_equals_the_masked_path(model_dir):
     assert mb["grad_norm"] == pytest.approx(ma["grad_norm"], rel=1e-5)
 
 
+@pytest.mark.parametrize("share", [False, True])
+def test_segments_attention_through_the_learner_equals_the_dense_mask(model_dir, share):
+    """On CPU the learner runs one sdpa per attention segment ("segments"); "eager" keeps the whole row's dense
+    [T, T] mask: the same log-probs and the same step, unshared rows and shared prompts alike."""
+    cfg = LearnerConfig(zero_stage=0, dtype="float32", lr=1e-2, device="cpu", share_prompt=share)
+    dense, segments = (Learner(cfg, ModelConfig(dtype="float32", attn_implementation=impl), model_dir, total_steps=10,
+                               micro_batch_tokens=64, temperature=TEMPERATURE) for impl in ("eager", "sdpa"))
+    assert (dense.attn_implementation, segments.attn_implementation) == ("eager", "segments")
+    seqs = sequences(make_batch(seed=16))
+    for a, b in zip(dense.logprobs(seqs), segments.logprobs(seqs)):
+        assert torch.allclose(a, b, atol=1e-5)
+    batch = make_batch(seed=17)
+    masked_blocks = [m is not None for it in segments._materialise(batch) for _, _, m in it["packed"].segment_blocks()]
+    assert any(masked_blocks) == share and not all(masked_blocks)  # shared prompts' branches take a block mask
+    ma, mb = dense.train_step(batch), segments.train_step(batch)
+    assert mb["grad_norm"] == pytest.approx(ma["grad_norm"], rel=1e-5) and mb["loss"] == pytest.approx(ma["loss"], rel=1e-5)
+
+
 def test_attention_selection_prefers_varlen_on_cuda_without_flash_attn(monkeypatch):
     from actors.learner import attention
 
-    assert attention.select_attn_implementation("sdpa", "cpu") == "sdpa"
-    assert attention.select_attn_implementation("auto", "cpu") == "sdpa"
+    assert attention.select_attn_implementation("sdpa", "cpu") == "segments"
+    assert attention.select_attn_implementation("auto", "cpu") == "segments"
+    assert attention.select_attn_implementation("eager", "cpu") == "eager"  # the dense mask, asked for by name
     assert attention.select_attn_implementation("varlen", "cpu") == "varlen"
     assert attention.select_attn_implementation("eager", "cuda") == "eager"
     monkeypatch.setattr(attention, "flash_attn_installed", lambda: False)

@@ -176,7 +176,7 @@ def test_config_derives_the_assembler_flag_and_refuses_incompatible_attention():
         apply_overrides(tiny(), ["assembler.share_prompt=true"])
     from actors.learner.attention import select_attn_implementation
 
-    assert select_attn_implementation("sdpa", "cpu", share_prompt=True) == "sdpa"
+    assert select_attn_implementation("sdpa", "cpu", share_prompt=True) == "segments"
     assert select_attn_implementation("auto", "cuda", share_prompt=True) == "prefix_flex"
     with pytest.raises(ValueError, match="flash_attention_2"):
         select_attn_implementation("flash_attention_2", "cuda", share_prompt=True)
