@@ -235,8 +235,8 @@ def differences(rows: list[dict], peer: dict | None) -> list[str]:
 
     out = [
         "Engines: ours generates with our transformers engine (each prompt prefilled once for its n samples, finished "
-        "rows leave the batch, at most generator.max_batch_prompts=16 prompts batched) and trains with DeepSpeed "
-        "ZeRO-0 fp32 on packed rows that hold each group's prompt once; TRL generates with model.generate on the "
+        "rows leave the batch, up to generator.max_batch_rows=128 rows a batch) and trains with DeepSpeed "
+        "ZeRO-0 fp32 on packed rows that hold each group's prompt once, one sdpa per attention segment; TRL generates with model.generate on the "
         "whole 128-row batch (each prompt repeated 8 times, left-padded) and trains on padded rows.",
         "Scoring: ours scores each prompt's group in the scorer actor as it finishes (overlapped with generation); "
         "TRL calls the same score_group after the whole batch is generated (same sandbox, 1 worker, 5 s, 1 GB).",
