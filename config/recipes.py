@@ -45,7 +45,7 @@ def tiny() -> RunConfig:
     column, aggregate or order), so the warm policy mostly answers with the slip and samples the gold
     query only some of the time; GRPO then finds the reward the slips leave. Held-out prompts are
     asked on three databases of their own, and none of their texts is a training question.
-    ~3.5 minutes on 2 cores (docs/perf/tiny.md).
+    ~2.5 minutes on 2 cores (docs/perf/tiny.md).
 
     The engine batches by rows (generator.max_batch_rows=128, a training step's 16 prompts x 8 samples): a
     held-out evaluation's 74 greedy and 74 x 4 sampled prompts go in 3 batches, not 10 of 16 prompts.
