@@ -94,7 +94,7 @@ def prompt_tokenizer(cfg: RunConfig, model_path: str):
     """The tokenizer prompts are rendered with. tiny's compact prompts skip the chat template, and its tokenizer
     is our own byte-level BPE with no special tokens added (tasks.tiny_model.build_tokenizer), so
     `tokenizers.Tokenizer` encodes them to the same ids as transformers' tokenizer over the same file
-    (tests/unit/test_inputs_tokenizer.py) without importing transformers and torch (~3 CPU-s on the path to
+    (tests/integration/test_inputs.py) without importing transformers and torch (~3 CPU-s on the path to
     the first step). Every other model: transformers' AutoTokenizer."""
     tok_file = Path(cfg.model.tokenizer or model_path) / "tokenizer.json"
     if cfg.model.source == "tiny" and tok_file.exists():
