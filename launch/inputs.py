@@ -69,10 +69,10 @@ def prepare_model_and_data(cfg: RunConfig, run_dir: Path, log) -> tuple[str, str
     model_path = cfg.model.path
     if cfg.model.source == "tiny":
         from tasks.synthetic import texts_for_tokenizer
-        from tasks.tiny_model import build_tiny
+        from tasks.tiny_model import build_tiny, built
 
         model_path = str(layout.model_dir(run_dir))
-        if tiny_built(model_path):  # a run from an export or a resumed run: reused, nothing imported
+        if built(model_path):  # a run from an export or a resumed run: reused, nothing imported
             log.info("reusing tiny tokenizer and model", dir=model_path)
             return model_path, bird_dir
         log.info("building tiny tokenizer and model", dir=model_path)
@@ -83,11 +83,6 @@ def prepare_model_and_data(cfg: RunConfig, run_dir: Path, log) -> tuple[str, str
     else:
         offline_unless_allowed(cfg)
     return model_path, bird_dir
-
-
-def tiny_built(model_path: str) -> bool:
-    """Whether tasks.tiny_model.build_tiny would reuse `model_path` as it is (its own test, without its imports)."""
-    return all((Path(model_path) / f).exists() for f in ("config.json", "tokenizer.json"))
 
 
 def prompt_tokenizer(cfg: RunConfig, model_path: str):

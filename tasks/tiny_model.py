@@ -93,11 +93,16 @@ def build_model(model_cfg, tokenizer, out_dir: str, seed: int = 0):
     return model
 
 
+def built(out_dir: str) -> bool:
+    """Whether `out_dir` already holds a tiny tokenizer and model (build_tiny reuses it then)."""
+    return all(os.path.exists(os.path.join(str(out_dir), f)) for f in ("config.json", "tokenizer.json"))
+
+
 def build_tiny(out_dir: str, texts: Iterable[str] | None = None, seed: int = 0, model_cfg=None) -> str:
     """Tokenizer + model in one directory (what `model.path` points at); returns the directory.
     Idempotent: a directory that already holds both is reused."""
     out_dir = str(out_dir)
-    if os.path.exists(os.path.join(out_dir, "config.json")) and os.path.exists(os.path.join(out_dir, "tokenizer.json")):
+    if built(out_dir):
         return out_dir
     if model_cfg is None:
         from config import ModelConfig

@@ -8,7 +8,7 @@ and each runs as its own sdpa: causal alone (is_causal) for a plain sample, with
 has branches (a shared prompt's responses) or padding.
 
 Invariants:
-- The same attention as the dense mask, position for position (tests/unit/test_attention_segments.py): each
+- The same attention as the dense mask, position for position (tests/integration/test_learner.py): each
   query's softmax runs over exactly the keys the mask allows; only scores the mask would have zeroed are skipped.
 - The segments reach the attention function as the model kwarg `segment_blocks` (transformers hands model kwargs
   to every layer's attention function, as it does varlen's cu_seqlens); no mask is passed (`attention_mask` None).

@@ -102,6 +102,15 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
     return f
 
 
+# The attention implementations the learner registers with transformers: (register, why it was chosen).
+REGISTERED_ATTENTION = {
+    attention.VARLEN: (attention.register, "packed rows: varlen attention over cu_seqlens instead of sdpa's dense [T, T] mask"),
+    attention.FLEX: (attention_flex.register, "learner.share_prompt: flex attention over segment and branch ids"),
+    attention.SEGMENTS: (attention_segments.register,
+                         "one sdpa per attention segment of a packed row, not one over a [T, T] mask"),
+}
+
+
 class LearnerEngine:
     """A rank's DeepSpeed engine and what it does besides training (see the module docstring)."""
 
@@ -126,23 +135,15 @@ class LearnerEngine:
         self.dtype = torch_dtype(learner_cfg.dtype)
         self.attn_implementation = attention.select_attn_implementation(
             model_cfg.attn_implementation, self.device, share_prompt=learner_cfg.share_prompt)
-        if self.attn_implementation == attention.VARLEN:
-            attention.register()
-        if self.attn_implementation == attention.FLEX:
-            attention_flex.register()
-        if self.attn_implementation == attention.SEGMENTS:
-            attention_segments.register()
+        registered = REGISTERED_ATTENTION.get(self.attn_implementation)
+        if registered is not None:
+            registered[0]()
         # Rows padded to flex's block size on CUDA (at most 127 positions, never in the loss).
         self.pad_multiple = attention_flex.BLOCK if (self.attn_implementation == attention.FLEX
                                                      and self.device.type == "cuda") else 1
         if self.attn_implementation != model_cfg.attn_implementation:
             log.info("learner.attention", requested=model_cfg.attn_implementation, using=self.attn_implementation,
-                     reason="packed rows: varlen attention over cu_seqlens instead of sdpa's dense [T, T] mask"
-                     if self.attn_implementation == attention.VARLEN else
-                     "learner.share_prompt: flex attention over segment and branch ids"
-                     if self.attn_implementation == attention.FLEX else
-                     "one sdpa per attention segment of a packed row, not one over a [T, T] mask"
-                     if self.attn_implementation == attention.SEGMENTS else "auto")
+                     reason=registered[1] if registered is not None else "auto")
         self.use_liger = bool(learner_cfg.use_liger) and self.device.type == "cuda"
         if learner_cfg.use_liger and not self.use_liger:
             log.info("learner.logprob_path", path="torch", reason="use_liger needs a CUDA device; plain log_softmax on CPU")

@@ -91,8 +91,9 @@ def settings(steps: int, seed: int | None = None) -> dict:
 
 def after_last_step(t: TreeRun, row: dict) -> dict:
     """Seconds from the last step's end to the command's exit (the run's end: export, teardown)."""
-    last = t.start + row["first_step_s"] + row["loop_s"] if row.get("first_step_s") is not None else None
-    return {"after_last_step_s": t.start + t.wall_s - last} if last is not None else {}
+    if row.get("first_step_s") is None:
+        return {}
+    return {"after_last_step_s": t.wall_s - row["first_step_s"] - row["loop_s"]}
 
 
 def tree_fields(t: TreeRun, samples: int) -> dict:

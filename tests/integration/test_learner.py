@@ -295,11 +295,13 @@ def test_sleep_offload_frees_every_fp32_master_and_adam_storage(model_dir, zero_
 
 def test_varlen_attention_through_the_learner_equals_the_masked_path(model_dir):
     """On CPU "varlen" runs one sdpa per sample, cut by the PackedBatch's cu_seqlens (no [T, T] mask)."""
-    masked = make_learner(model_dir)
+    masked = Learner(LearnerConfig(zero_stage=0, dtype="float32", lr=1e-2, device="cpu", share_prompt=False),
+                     ModelConfig(dtype="float32", attn_implementation="eager"), model_dir, total_steps=10,
+                     micro_batch_tokens=64, temperature=TEMPERATURE)
     varlen = Learner(LearnerConfig(zero_stage=0, dtype="float32", lr=1e-2, device="cpu", share_prompt=False),
                      ModelConfig(dtype="float32", attn_implementation="varlen"), model_dir, total_steps=10,
                      micro_batch_tokens=64, temperature=TEMPERATURE)
-    assert varlen.attn_implementation == "varlen" and masked.attn_implementation == "segments"
+    assert varlen.attn_implementation == "varlen" and masked.attn_implementation == "eager"
     seqs = sequences(make_batch(seed=16))
     for a, b in zip(masked.logprobs(seqs), varlen.logprobs(seqs)):
         assert torch.allclose(a, b, atol=1e-5)

@@ -5,11 +5,24 @@ torch.distributed.init_process_group fails, naming what it tried and where. Such
 tests/integration.
 
 Invariant: the guard is active only around tests/unit's own items and modules (pytest hands these hooks the
-items of this directory alone); the other lanes never see it.
+items of this directory alone); the other lanes never see it. The one process a library starts for itself once
+per machine, matplotlib's font list (`fc-list`, cached in its config dir), is built before the guard, at
+configure time; a fresh machine's first run would otherwise fail the report's test.
 """
 import pytest
 
 from tests.isolation import isolated
+
+
+def pytest_configure(config):
+    """matplotlib lists the system's fonts with a subprocess the first time it runs on a machine: do it here,
+    before any test is guarded (a no-op once its cache exists)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.font_manager  # noqa: F401  (builds or loads the font cache)
 
 
 def _guarded(where: str, phase: str):
