@@ -36,7 +36,7 @@ import msgspec
 import numpy as np
 import structlog
 
-from actors.shell import RESTARTABLE
+from actors.shell import RESTARTABLE, built_with_gc_paused
 from config import AssemblerConfig, RunContext
 from observe.logs import setup_actor_logging
 from policies.advantages import group_advantages
@@ -181,6 +181,7 @@ class Assembler:
     # (the memo and the pending-first intake below make a retried call safe).
     RAY_OPTIONS = {"max_concurrency": 64, **RESTARTABLE}
 
+    @built_with_gc_paused
     def __init__(self, cfg: AssemblerConfig, ctx: RunContext | None = None, *, consumer: str = "assembler-0"):
         self.cfg = cfg
         self.ctx = ctx or RunContext()

@@ -28,7 +28,7 @@ import time
 import msgspec
 import structlog
 
-from actors.shell import RESTARTABLE
+from actors.shell import RESTARTABLE, built_with_gc_paused
 from config import RunContext, ScorerConfig
 from observe.logs import setup_actor_logging
 from policies.sql_reward import BAD_DB_PATH, GENERATION_ERROR, extract_sql, reward_for, shaped_reward
@@ -187,6 +187,7 @@ class ScorerShell:
 
     RAY_OPTIONS = dict(RESTARTABLE)  # a restarted scorer reclaims what it held (same consumer name)
 
+    @built_with_gc_paused
     def __init__(self, cfg: ScorerConfig, ctx: RunContext | None = None, *, scorer_id: str = ""):
         self.ctx = ctx or RunContext()
         setup_actor_logging(scorer_id or "scorer", self.ctx)

@@ -50,6 +50,7 @@ from actors.coordinator.prompts import eval_tasks, train_tasks
 from actors.coordinator.report import StepReport
 from actors.coordinator.sync import WeightSync
 from actors.handles import AssemblerHandle, CallBounds, GeneratorPool, LearnerHandle
+from actors.shell import built_with_gc_paused
 from config import RunConfig, RunContext
 from observe.logs import setup_actor_logging
 from queues.messages import PromptTask, codec
@@ -62,6 +63,7 @@ class Coordinator:
     # run's state, and a run that loses it is relaunched from its latest checkpoint.
     RAY_OPTIONS = {"max_concurrency": 8}
 
+    @built_with_gc_paused
     def __init__(self, cfg: RunConfig, ctx: RunContext, train_items: list, eval_items: list,
                  *, generators: list, learner: Any, assembler: Any, metrics_logger=None, log=None):
         if cfg.coordinator.weight_sync == "auto":

@@ -25,7 +25,7 @@ from typing import Any
 import structlog
 
 from actors.generator.generator import Generator
-from actors.shell import RESTARTABLE
+from actors.shell import RESTARTABLE, built_with_gc_paused
 from config import GeneratorConfig, ModelConfig, RunContext
 from observe.logs import setup_actor_logging
 
@@ -43,6 +43,7 @@ class GeneratorShell:
     # above, so a generator whose main loop is busy still answers it.
     RAY_OPTIONS = {"max_concurrency": 256, "concurrency_groups": {HEARTBEAT_GROUP: 1}, **RESTARTABLE}
 
+    @built_with_gc_paused
     def __init__(self, generator_cfg: GeneratorConfig, ctx: RunContext | None = None, *, model_cfg: ModelConfig, model_path: str,
                  generator_id: str = "generator-0", colocated: bool = False, device_ids: list[int] | None = None):
         from actors.engines.base import DeferredEngine, set_visible_devices

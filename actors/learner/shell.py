@@ -22,6 +22,7 @@ import os
 
 import structlog
 
+from actors.shell import built_with_gc_paused
 from config import LearnerConfig, ModelConfig, RunContext
 from observe.logs import setup_actor_logging
 from queues.messages import TrainBatch
@@ -38,6 +39,7 @@ class LearnerShell:
 
     RAY_OPTIONS = {"max_concurrency": 4}  # weight-sync and stats calls beside a training step
 
+    @built_with_gc_paused
     def __init__(self, learner_cfg: LearnerConfig, ctx: RunContext | None = None, *, model_cfg: ModelConfig,
                  model_path: str, total_steps: int, micro_batch_tokens: int, temperature: float = 1.0, rank: int = 0,
                  world_size: int = 1):
@@ -81,6 +83,7 @@ class LearnerShell:
         self._store, host, port = bind_store(self.world_size, self._args[0].collective_timeout_s, host=host)
         return host, port
 
+    @built_with_gc_paused
     def join(self, host: str, port: int, local_host: str | None = None) -> None:
         """Every rank of a world > 1, concurrently: joins the process group (gloo bound to `local_host`),
         then builds the Learner (deepspeed.initialize is collective)."""

@@ -1,5 +1,6 @@
 """RunContext and the one way actors are built (plain classes, no Ray): config section + RunContext."""
 import dataclasses
+import gc
 import inspect
 import json
 import pickle
@@ -12,7 +13,7 @@ from actors.coordinator.coordinator import Coordinator
 from actors.generator.shell import GeneratorShell
 from actors.learner.shell import LearnerShell
 from actors.scorer import ScorerShell
-from actors.shell import RESTARTABLE
+from actors.shell import RESTARTABLE, built_with_gc_paused, in_actor_process
 from config import AssemblerConfig, RunContext, apply_overrides
 from config.recipes import get_recipe
 
@@ -50,6 +51,33 @@ def test_every_actor_is_built_from_its_section_and_the_context_with_its_ray_opti
         assert isinstance(cls.RAY_OPTIONS, dict), cls.__name__
     restartable = {c.__name__ for c in ACTORS if all(c.RAY_OPTIONS.get(k) == v for k, v in RESTARTABLE.items())}
     assert restartable == {"Assembler", "ScorerShell", "GeneratorShell"}  # the learner and coordinator relaunch
+
+
+def test_every_actor_builds_with_the_collector_paused_and_a_test_process_keeps_it_unfrozen():
+    builders = [cls.__init__ for cls in ACTORS] + [LearnerShell.join]
+    assert all(getattr(b, "__wrapped__", None) is not None and b.__code__ is built_with_gc_paused(len).__code__
+               for b in builders), [b.__qualname__ for b in builders]
+    seen = []
+
+    @built_with_gc_paused
+    def build(fail: bool = False):
+        seen.append(gc.isenabled())
+        if fail:
+            raise ValueError("bad section")
+        return "built"
+
+    frozen = gc.get_freeze_count()
+    assert build() == "built" and seen == [False] and gc.isenabled()
+    assert not in_actor_process() and gc.get_freeze_count() == frozen  # a test's process drops what it built
+    with pytest.raises(ValueError, match="bad section"):
+        build(fail=True)
+    assert seen == [False, False] and gc.isenabled()  # back on after a build that raised
+    gc.disable()
+    try:
+        build()
+        assert not gc.isenabled()  # a caller that had it off keeps it off
+    finally:
+        gc.enable()
 
 
 def test_an_actor_logs_where_and_at_the_level_its_context_says(tmp_path, restore_logging):
