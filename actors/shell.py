@@ -64,8 +64,8 @@ def built_with_gc_paused(build: Callable) -> Callable:
 
     Importing torch and transformers and loading a model make ~400,000 long-lived objects; with the
     collector on, its thresholds trip over and over while they are made and each full pass walks them
-    all: in tiny's learner and generator about 1.5 of the 4.5 CPU-s from the process's start to its first
-    step (docs/perf/startup.md). Frozen, no later pass walks them again. The garbage the build dropped
+    all: in tiny's learner and generator about 1.8 of the 4.6 CPU-s from the process's start to its first
+    step (docs/perf/peers.md, "Start-up"). Frozen, no later pass walks them again. The garbage the build dropped
     (~11,000 objects after the imports alone) is frozen with them: a one-time cost, not a growth (a full
     collection to free it first costs 0.3 s). Only an actor's process freezes: there the build is the
     process's own start, whereas a test that builds an actor in its own process goes on to drop it."""

@@ -76,7 +76,7 @@ def _log_failure(run_dir: Path, e: BaseException) -> None:
 
     try:
         with open(layout.log_file(run_dir, "launcher"), "a") as f:
-            from queues.streams import redact
+            from queues.errors import redact
 
             f.write(json.dumps({"event": "run failed", "level": "error", "error": one_line(e),
                                 "traceback": redact("".join(traceback.format_exception(e))),
@@ -154,7 +154,7 @@ def run(cfg: RunConfig) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg.run_id = run_id
     log = setup_logging(run_dir, "launcher", level=cfg.logging.level, console=cfg.logging.console)
-    from queues.streams import redact
+    from queues.errors import redact  # not queues.streams': redis' client (0.14 s) need not load before Ray starts
 
     layout.config_file(run_dir).write_text(redact(msgspec.json.format(msgspec.json.encode(cfg), indent=2).decode()))
     redis_server = None
