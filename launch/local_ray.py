@@ -170,8 +170,8 @@ def end_new_children(before: set[int]) -> int:
 def start_ray(cfg: RunConfig, run_dir: Path, log) -> None:
     """A cluster joined (cluster.ray_address / $RAY_ADDRESS) gets run_env() as the job's runtime_env; a
     local cluster inherits it from this process instead: a runtime_env sends every worker through Ray's
-    runtime-env agent (setup_worker.py) before it starts, ~13 s to the five actors on the loaded 2 cores
-    (docs/perf/peers.md), for variables a local raylet's workers inherit anyway. The dashboard of a local
+    runtime-env agent (setup_worker.py) before it starts, +2.5 s to five trivial actors on the 2 cores
+    (bench.peers.ray_start, docs/perf/peers.md "Start-up"), for variables a local raylet's workers inherit anyway. The dashboard of a local
     cluster is cluster.dashboard (and off when ray[default]'s modules are missing); its settings (LOCAL_RAY_ENV:
     the actors at the launcher's own priority, a capped GCS task history) are init_local_ray's."""
     import ray

@@ -22,10 +22,10 @@ from pathlib import Path
 
 from bench.peers.tree import run_tree
 
-VARIANTS = [("as the launcher: dashboard + runtime_env env_vars", True, True),
+VARIANTS = [("dashboard + runtime_env env_vars", True, True),
             ("no dashboard", False, True),
             ("no runtime_env (the env inherited)", True, False),
-            ("neither", False, False)]
+            ("neither (as tiny starts it)", False, False)]
 
 CHILD = r"""
 import json, os, sys, time
