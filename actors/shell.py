@@ -21,8 +21,8 @@ Invariants:
 - The actor's process title is `ray::<class name>` (what bench/faults/chaos targets).
 - Every actor builds with Python's cyclic garbage collector paused (`built_with_gc_paused` on its
   constructor, and on the learner's `join`): the collector re-enabled as it was when the build ends, raised
-  or not; in an actor's process, what a build that returned left alive is frozen (gc.freeze), so no
-  later collection walks the modules and the model again.
+  or not; in an actor's process, a build that returned ends with one full collection, then what is
+  left alive is frozen (gc.freeze), so no later collection walks the modules and the model again.
 - Callers reach an actor through its role's typed handle (actors/handles.py), never by a method's name.
 - Every wait on an actor has a bound: `await_within` (the handles' calls) ends a call that did not
   return in time with `ActorCallTimeout`, one line naming the actor and the call. A frozen
@@ -59,16 +59,17 @@ def ray_actor(cls: type) -> Any:
 
 def built_with_gc_paused(build: Callable) -> Callable:
     """`build` (an actor's constructor, or the learner's `join`) run with the cyclic garbage collector
-    paused, the collector back as it was after (raised or not); in a Ray actor's process, what a build that
-    returned left alive is frozen first (gc.freeze).
+    paused, the collector back as it was after (raised or not); in a Ray actor's process, a build that
+    returned ends with one full collection and then freezes what is left alive (gc.freeze).
 
     Importing torch and transformers and loading a model make ~400,000 long-lived objects; with the
     collector on, its thresholds trip over and over while they are made and each full pass walks them
     all: in tiny's learner and generator about 1.8 of the 4.6 CPU-s from the process's start to its first
-    step (docs/perf/peers.md, "Start-up"). Frozen, no later pass walks them again. The garbage the build dropped
-    (~11,000 objects after the imports alone) is frozen with them: a one-time cost, not a growth (a full
-    collection to free it first costs 0.3 s). Only an actor's process freezes: there the build is the
-    process's own start, whereas a test that builds an actor in its own process goes on to drop it."""
+    step (docs/perf/peers.md, "Start-up"). The one collection at the end (~0.3 CPU-s there) frees what the
+    build dropped in reference cycles (~11,000 objects after the imports alone; a large model's load could
+    leave tensors among them), so nothing but live objects is frozen; frozen, no later pass walks them
+    again. Only an actor's process freezes: there the build is the process's own start, whereas a test
+    that builds an actor in its own process goes on to drop it."""
 
     @functools.wraps(build)
     def paused(*args, **kwargs):
@@ -77,6 +78,7 @@ def built_with_gc_paused(build: Callable) -> Callable:
         try:
             out = build(*args, **kwargs)
             if in_actor_process():
+                gc.collect()
                 gc.freeze()
             return out
         finally:
