@@ -7,8 +7,11 @@ The coordinator hands it the state to save and applies the state it loads.
 Invariants:
 - A checkpoint holds the learner's state and the cursor where the next step starts (step, version,
   epoch, position), so a resumed run continues at the next step with the same data order.
-- Order on disk: learner state, coordinator.json, the HF export (renamed into place whole), then the
-  `latest` marker, then pruning, which never removes the latest checkpoint.
+- Order on disk: learner state, coordinator.json, the HF export (renamed into place whole), then what the
+  caller must have written before this checkpoint can be resumed from (`before_latest`: the step's metrics
+  row), then the `latest` marker, then pruning, which never removes the latest checkpoint. A death before the
+  marker resumes from the previous checkpoint and redoes the step (its row again; the last one counts); a
+  death after it never leaves a resumed run without the step's row.
 - Resuming gives the generators the checkpoint's weights before any prompt is published (the coordinator's
   resume_from).
 """
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from actors.coordinator.cursor import DataCursor
 from actors.handles import LearnerHandle
@@ -43,10 +46,10 @@ class Checkpoints:
         return layout.checkpoint_dir(self.run_dir, step)
 
     async def save(self, step: int, version: int, cursor: dict[str, int], ledger: dict[str, str],
-                   **counters: int) -> Path:
+                   before_latest: Callable[[], None] | None = None, **counters: int) -> Path:
         """DeepSpeed checkpoint + coordinator.json (step, version, the cursor where step+1 starts, the ledger
-        and `counters`), then the HF export of the same weights (hf/step_<step+1>), then the `latest` marker,
-        then pruning (actors/coordinator/export.py: never the latest checkpoint)."""
+        and `counters`), then the HF export of the same weights (hf/step_<step+1>), then `before_latest()`,
+        then the `latest` marker, then pruning (actors/coordinator/export.py: never the latest checkpoint)."""
         from actors.coordinator.export import prune_checkpoints, prune_exports, write_atomic
 
         state = {"step": step, "version": version, "cursor": cursor, "outcomes": count_outcomes(ledger.values()),
@@ -56,6 +59,8 @@ class Checkpoints:
         await self.learner.save(str(path / "learner"))
         write_atomic(path / "coordinator.json", json.dumps(state))
         await self.export_hf(step + 1)
+        if before_latest is not None:
+            before_latest()
         write_atomic(layout.latest_marker(self.run_dir), path.name)
         keep = self.cfg.coordinator
         pruned = prune_checkpoints(layout.checkpoints_dir(self.run_dir), keep.keep_checkpoints)

@@ -24,7 +24,8 @@ Invariants:
 - The coordinator never touches tensors: weights move learner -> generators through
   weights, driven bucket by bucket from here.
 - A checkpoint holds the learner's state and this cursor (step, version, epoch, position); a
-  resumed run continues at the next step with the same data order.
+  resumed run continues at the next step with the same data order. A step's metrics row is written
+  before its checkpoint becomes the latest, so no resume skips a step whose row is missing.
 - Colocated, the learner is asleep before the first step (initial_sync) and the engines are asleep
   during the final checkpoint: the device never holds a resident engine and an awake learner at once
   (a mid-run checkpoint is the exception: the engines generate the next step while the learner saves).
@@ -40,7 +41,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from actors.coordinator.checkpoint import Checkpoints, count_outcomes
 from actors.coordinator.cursor import DataCursor
@@ -270,11 +271,12 @@ class Coordinator:
         """Before the first step (actors/coordinator/sync.py WeightSync.initial)."""
         await self.weights.initial(self.version, warm_start_metrics)
 
-    async def save_checkpoint(self, step: int) -> Path:
+    async def save_checkpoint(self, step: int, before_latest: Callable[[], None] | None = None) -> Path:
         """The learner's state and ours (actors/coordinator/checkpoint.py), with the cursor where step+1
-        starts: its prompts may already be published (taken from the cursor); a resume takes them again."""
+        starts: its prompts may already be published (taken from the cursor); a resume takes them again.
+        `before_latest` runs before the checkpoint becomes the one a resume starts from (the step's row)."""
         return await self.checkpoints.save(step, self.version, self._cursor_before.get(step + 1, self.cursor.state()),
-                                           self.ledger, resyncs=self.weights.resyncs,
+                                           self.ledger, before_latest=before_latest, resyncs=self.weights.resyncs,
                                            frozen_restarts=self.generators.frozen_restarts)
 
     async def resume_from(self, path: Path) -> None:
@@ -332,9 +334,14 @@ class Coordinator:
                 t = time.perf_counter()
                 if step + 1 >= cfg.steps:
                     await self._rest_generators()
-                await self.save_checkpoint(step)
-                m["time_checkpoint"] = time.perf_counter() - t
-            self.report.step(step, m)
+
+                def row(m=m, step=step, t=t) -> None:  # before the checkpoint can be resumed from: never lost
+                    m["time_checkpoint"] = time.perf_counter() - t
+                    self.report.step(step, m)
+
+                await self.save_checkpoint(step, before_latest=row)
+            else:
+                self.report.step(step, m)
             self.step = step + 1
             await self.assembler.forget_before(step - 2)
             self.generated.forget(step - 2)

@@ -164,3 +164,31 @@ def test_an_export_records_its_episode_shape_and_eval_and_serve_run_it_as_traine
     old.mkdir()
     (old / "config.json").write_text("{}")
     assert (read_settings(old)["max_turns"], read_settings(old)["max_observation_tokens"]) == (1, 128)
+
+
+def test_a_checkpoint_becomes_the_resume_point_only_after_what_the_caller_writes_before_it(tmp_path):
+    """The coordinator writes a step's metrics row in `before_latest`: a death right after the `latest` marker must
+    never resume past a step whose row was not written (a soak's coordinator killed there lost step 54's row)."""
+    from actors.coordinator.checkpoint import Checkpoints
+    from actors.coordinator.coordinator import Coordinator
+    from actors.learner.shell import LearnerShell
+    from config import RunContext, apply_overrides
+    from config.recipes import tiny
+    from tasks.tiny_model import build_tiny
+
+    cfg = apply_overrides(tiny(), [])
+    run_dir = tmp_path / "run"
+    model_dir = build_tiny(run_dir / "model", model_cfg=cfg.model, seed=0)
+    learner = LearnerShell(cfg.learner, model_cfg=cfg.model, model_path=str(model_dir), total_steps=10,
+                           micro_batch_tokens=cfg.assembler.micro_batch_tokens)
+    coord = Coordinator(cfg, RunContext(run_id="row", run_dir=str(run_dir)), [], [], generators=[], learner=learner,
+                        assembler=None)
+    asyncio.run(coord.save_checkpoint(0))
+    seen = []
+
+    def before_latest():
+        seen.append((Checkpoints.latest(run_dir).name, (run_dir / "hf" / "step_2").is_dir()))
+
+    asyncio.run(coord.save_checkpoint(1, before_latest=before_latest))
+    assert seen == [("step_000000", True)]  # the export is in place, the previous checkpoint still the resume point
+    assert Checkpoints.latest(run_dir).name == "step_000001"
