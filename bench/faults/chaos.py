@@ -64,6 +64,13 @@ def _wait_rows(run_dir: Path, launch: Launch, n: int, timeout: float) -> bool:
     return len(rows(run_dir)) >= n
 
 
+def step_seconds(run_dir: Path, default: float = 1.0) -> float:
+    """The median time between the run's step rows so far (`default` before two rows)."""
+    times = [float(r["time"]) for r in rows(run_dir) if r.get("step", -1) >= 0]
+    gaps = [b - a for a, b in zip(times, times[1:]) if b > a]
+    return statistics.median(gaps) if gaps else default
+
+
 def _wait_log(log_path: Path, text: str, count: int, launch: Launch, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and launch.proc.poll() is None:
@@ -205,11 +212,12 @@ def phase_resume(run_root: Path, steps: int, sft: int, per_step: int, seed: int,
     launch = Launch(base, run_root / f"{run_id}.log")
     launches.append(launch)
     for i, victim in enumerate(victims):
-        # let a checkpoint land, then kill a little into a later step
+        # let a checkpoint land, then kill a little into a later step: within one step's time, so that the kill
+        # lands before the run's end however fast its steps are (a fixed 0-1 s outran 5 steps of 0.3 s)
         target = min(steps - 1, 3 + 3 * i)
         if not _wait_rows(run_dir, launch, target, 900):
             break
-        time.sleep(rng.uniform(0.0, 1.0))
+        time.sleep(rng.uniform(0.0, step_seconds(run_dir)))
         pids = find_pids(launch.proc.pid, victim)
         if not pids or launch.proc.poll() is not None:
             break
