@@ -20,7 +20,7 @@ Invariants:
 - Every task the coordinator publishes gets exactly one outcome in the ledger (trained or a
   drop reason), and the per-step counts are in the step's metrics. The ledger is the one record that
   grows with the run; everything else the coordinator holds covers the last few steps (a step's
-  metrics go to metrics.jsonl, never kept; tests/test_memory_bounds.py).
+  metrics go to metrics.jsonl, never kept; tests/integration/test_memory_bounds.py).
 - The coordinator never touches tensors: weights move learner -> generators through
   weights, driven bucket by bucket from here.
 - A checkpoint holds the learner's state and this cursor (step, version, epoch, position); a

@@ -2,7 +2,7 @@
 
 A frozen generator (SIGSTOP, a stuck device) is alive to Ray and silent; before this it was first noticed
 when a step's groups were late (coordinator.step_timeout_s) and a health call then ran past
-coordinator.call_timeout_s (~75 s in tests/test_frozen_actors.py). The heartbeat pings every generator
+coordinator.call_timeout_s (~75 s in tests/unit/test_frozen_actors.py). The heartbeat pings every generator
 every `coordinator.heartbeat_s` seconds, each ping bounded by `coordinator.heartbeat_timeout_s`; a
 generator that misses `coordinator.heartbeat_misses` pings in a row is frozen and is restarted in place
 (the pool's `restart_in_place`, actors/handles.py GeneratorPool: Ray kills the process and starts the

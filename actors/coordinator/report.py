@@ -2,7 +2,7 @@
 
 Invariants:
 - Every value reported is a scalar (a step's metrics are a flat dict of floats).
-- Nothing is kept: a step's metrics are written and forgotten (tests/test_memory_bounds.py).
+- Nothing is kept: a step's metrics are written and forgotten (tests/integration/test_memory_bounds.py).
 - Each phase of a step's handshake and of the run's end is one `phase` line in the coordinator's log.
 - The metrics file is opened inside the actor (`attach`: the launcher asks once it is placed) and closed
   (flushed, wandb.finish() when W&B is on) when the run's loop ends.

@@ -2,7 +2,7 @@
 
     python -m bench.faults.chaos                      # >= 21 worker kills + 1 Redis kill, then learner
                                                # and coordinator kills with resume; prints the table
-    python -m bench.faults.chaos --kills 3 --steps 8  # a short version (what tests/test_chaos.py runs)
+    python -m bench.faults.chaos --kills 3 --steps 8  # a short version (what tests/e2e/test_chaos.py runs)
 
 Phase "workers": one run with cluster.redis_persistence=true. While steps run, SIGKILLs a
 generator, a scorer or the assembler process (found by Ray's process title among the

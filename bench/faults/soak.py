@@ -1,7 +1,7 @@
 """An hour of faults: tiny-shaped training on CPU under a random fault every ~2 minutes.
 
     python -m bench.faults.soak --minutes 60 --run-root /tmp/soak --json /tmp/soak.json --md /tmp/soak.md
-    SOAK_MINUTES=2 pytest -q tests/test_soak.py          # the CI form (a few faults, same checks)
+    SOAK_MINUTES=2 pytest -q tests/e2e/test_soak.py          # the CI form (a few faults, same checks)
 
 Two halves of --minutes / 2 each, one after the other: "colocated" (tiny as shipped, one learner rank)
 and "async" (coordinator.mode=async, learner.num_ranks=2, assembler.max_staleness=1). Each half is one

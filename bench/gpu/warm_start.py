@@ -15,7 +15,7 @@ other dependencies (config, tasks.bird and queues.messages all import msgspec, a
 Invariants:
 - The sweep imports only torch, transformers, tokenizers, the standard library and project modules
   that import nothing else (bench.gpu.warm_task's load_task, launch.warm_start, tasks.tiny_model,
-  tasks.sandbox, tasks.synthetic, policies.sql_reward); tests/test_gpu_warm_start.py runs it with
+  tasks.sandbox, tasks.synthetic, policies.sql_reward); tests/integration/test_gpu_warm_start.py runs it with
   msgspec, ray, redis, deepspeed, structlog, pydantic, accelerate and psutil hidden from imports.
 - Draws are the warm start's: launch.warm_start.step_draws with random.Random(seed), the batch and the
   slip share, so the first N steps of a constant-lr trajectory ARE an N-step warm start: one trajectory

@@ -2,7 +2,7 @@
 tenth of them hostile, and a /healthz probe beside them.
 
     .venv/bin/python -m bench.serve.load --clients 64 --seconds 300 --replicas 1,2 --json /tmp/serve_load.json
-    .venv/bin/python -m bench.serve.load --clients 6 --seconds 10    # what tests/test_serve_load.py runs
+    .venv/bin/python -m bench.serve.load --clients 6 --seconds 10    # what tests/e2e/test_serve_load.py runs
 
 Without --model it builds the tests' tiny export (tests/tiny_export.py) under a temp dir. For each
 --replicas value the service is started as a user starts it (`python -m launch.serve ... --replicas R`,

@@ -6,7 +6,7 @@ from config.recipes import get_recipe
 
 
 def test_tiny_with_two_learner_ranks_fits_a_two_core_host():
-    # cluster.num_cpus=0: with tiny's own 2 the asks are sized to it instead (tests/test_cpu_sizing.py)
+    # cluster.num_cpus=0: with tiny's own 2 the asks are sized to it instead (tests/integration/test_cpu_sizing.py)
     cfg = apply_overrides(get_recipe("tiny"), ["learner.num_ranks=2", "cluster.num_cpus=0"])
     placement = make_placement(cfg)
     want = sum(a.num_cpus for a in placement.actors)
