@@ -335,7 +335,7 @@ class Coordinator:
                 if step + 1 >= cfg.steps:
                     await self._rest_generators()
 
-                def row(m=m, step=step, t=t) -> None:  # before the checkpoint can be resumed from: never lost
+                def row() -> None:  # called within save_checkpoint, before it can be resumed from: never lost
                     m["time_checkpoint"] = time.perf_counter() - t
                     self.report.step(step, m)
 

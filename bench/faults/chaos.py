@@ -65,10 +65,9 @@ def _wait_rows(run_dir: Path, launch: Launch, n: int, timeout: float) -> bool:
 
 
 def step_seconds(run_dir: Path, default: float = 1.0) -> float:
-    """The median time between the run's step rows so far (`default` before two rows)."""
-    times = [float(r["time"]) for r in rows(run_dir) if r.get("step", -1) >= 0]
-    gaps = [b - a for a, b in zip(times, times[1:]) if b > a]
-    return statistics.median(gaps) if gaps else default
+    """The median `time_step` of the run's rows so far (the workers phase's baseline measure; `default` before one)."""
+    steps = [float(r["time_step"]) for r in rows(run_dir) if r.get("time_step")]
+    return statistics.median(steps) if steps else default
 
 
 def _wait_log(log_path: Path, text: str, count: int, launch: Launch, timeout: float) -> bool:
