@@ -9,6 +9,10 @@ Invariants:
   unacked data stays, and Redis memory stays bounded by the backlog.
 - `publish` waits while the stream holds more than `high_water` entries not yet acked
   (backpressure), so a fast producer cannot fill Redis.
+- A publish adds its entry once, however often it is retried: each message carries a random token and
+  is added by one Lua script that first claims `<stream>:sent:<token>` (SET NX, expiring after the
+  retry budget); a retry whose first try reached Redis but whose reply was lost (a restart mid-call)
+  gets the first try's entry id back instead of a second entry.
 - Connection loss is retried with backoff; past the deadline it is one RedisUnavailable error
   naming the URL (password redacted). An actor's first connect (`RunStreams.open`) has the same
   budget as a reconnect mid-run.
@@ -20,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Awaitable, Callable, TypeVar
 
@@ -88,6 +93,17 @@ async def with_retry(redis: aioredis.Redis, op: Callable[[], Awaitable[T]], *, b
             delay = min(delay * 2, 1.0)
 
 
+# KEYS: the stream, its claim key for this message; ARGV: the data, the claim's lifetime (s).
+# The claim holds the entry id, so a retry of a publish that did reach Redis returns that id.
+_ADD_ONCE = """
+local id = redis.call('GET', KEYS[2])
+if id then return id end
+id = redis.call('XADD', KEYS[1], '*', 'd', ARGV[1])
+redis.call('SET', KEYS[2], id, 'EX', ARGV[2])
+return id
+"""
+
+
 def _id_tuple(entry_id: bytes | str) -> tuple[int, int]:
     s = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     ms, _, seq = s.partition("-")
@@ -111,6 +127,16 @@ class Stream:
         self.trim_every = trim_every
         self.retry_budget_s = retry_budget_s
         self._acks_since_trim = 0
+        self._add_once_script = None
+        self._claim_s = int(retry_budget_s) + 60  # outlives every retry of the publish that made it
+
+    def _add_once(self, *, keys: list[str], args: list, client=None):
+        if self._add_once_script is None:
+            self._add_once_script = self.redis.register_script(_ADD_ONCE)
+        return self._add_once_script(keys=keys, args=args, client=client)
+
+    def _claim_key(self) -> str:
+        return f"{self.key}:sent:{os.urandom(12).hex()}"
 
     async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
         return await with_retry(self.redis, op, budget_s=self.retry_budget_s)
@@ -138,15 +164,19 @@ class Stream:
                 await asyncio.sleep(delay)
                 waited += delay
                 delay = min(delay * 2, 0.2)
-        entry_id = await self._call(lambda: self.redis.xadd(self.key, {b"d": data}))
+        claim = self._claim_key()
+        entry_id = await self._call(lambda: self._add_once(keys=[self.key, claim], args=[data, self._claim_s]))
         return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
 
     async def publish_many(self, items: list[bytes]) -> list[str]:
-        """One round trip for many messages (the coordinator's prompts); no backpressure."""
+        """One round trip for many messages (the coordinator's prompts); no backpressure; each added once
+        however often the round trip is retried."""
+        claims = [self._claim_key() for _ in items]
+
         async def op():
             pipe = self.redis.pipeline(transaction=False)
-            for data in items:
-                pipe.xadd(self.key, {b"d": data})
+            for data, claim in zip(items, claims):
+                await self._add_once(keys=[self.key, claim], args=[data, self._claim_s], client=pipe)  # queued
             return await pipe.execute()
         ids = await self._call(op)
         return [i.decode() if isinstance(i, bytes) else i for i in ids]
