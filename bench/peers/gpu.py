@@ -7,7 +7,7 @@ On the H200, after shared/gpu/device-setup.sh's set-up (vLLM in /tmp/site; Ray, 
 wheels in /tmp/site2) and with `.trl/` carried (bench/peers/gpu_site.sh makes it: TRL and the two packages
 the image lacks for it, ~1.7 MB):
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/trlsite .trl/*.whl && \\
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/trl/site-packages .trl/*.whl && \\
     OUT=$OUT python3 -m bench.peers.gpu
 
 What runs, in one process that needs torch and transformers only to build the inputs:
@@ -34,7 +34,9 @@ ours_mem.csv / trl_mem.csv (device memory samples), ours_metrics.jsonl.
 Env: STEPS (5; SMOKE 2), PROMPTS (64; SMOKE 4), N (8; SMOKE 4), MAX_TOKENS (256; SMOKE 16), MICRO (32; SMOKE
 the whole step), SEED (0), RECIPE (gpu1_0p6b; SMOKE tiny), SIDES ("ours trl"), SIDE_TIMEOUT_S (225),
 BUDGET_S (465), OUT (./bench_out), RUN_ROOT (/tmp/arl-peers-gpu), TRL_PYTHON (the device's python3; SMOKE:
-the peer venv's, bench/peers/venv.py), TRL_SITE (/tmp/trlsite when it exists: put first on TRL's PYTHONPATH),
+the peer venv's, bench/peers/venv.py), TRL_SITE (/tmp/trl/site-packages when it exists: put first on TRL's PYTHONPATH; its path must hold
+"site-packages": dill pickles a module from any other folder by value, and datasets' fingerprint of a
+pyarrow so loaded fails with "Can't pickle <class 'MonthDayNano'>"),
 TRL_VLLM (1; SMOKE 0: TRL's model.generate on CPU).
 """
 from __future__ import annotations
@@ -114,12 +116,15 @@ def prepare(cfg) -> tuple[Path, list[dict]]:
     return shared, ours.prompts_in_order(shared, STEPS, overrides(), recipe=RECIPE)
 
 
+TRL_SITE = "/tmp/trl/site-packages"  # "site-packages" in the path: see TRL_SITE in the docstring
+
+
 def side_env(trl: bool) -> dict[str, str]:
     from bench.gpu.recipe import device_env
 
     env = device_env()
     if trl:
-        site = os.environ.get("TRL_SITE") or ("/tmp/trlsite" if Path("/tmp/trlsite").is_dir() else "")
+        site = os.environ.get("TRL_SITE") or (TRL_SITE if Path(TRL_SITE).is_dir() else "")
         env["PYTHONPATH"] = os.pathsep.join(p for p in [site, env.get("PYTHONPATH", "")] if p)
         env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # the carried vLLM has no flashinfer (shared/gpu/VLLM.md)
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -130,10 +135,17 @@ def side_env(trl: bool) -> dict[str, str]:
 def measured(name: str, t: TreeRun, mem: list[tuple[float, float]], samples_per_step: int) -> dict:
     row = {"name": name, "rc": t.rc, "timed_out": t.timed_out, "wall_s": t.wall_s,
            "peak_rss_gb": t.peak_rss_bytes / 1e9, "peak_pss_gb": (t.peak_pss_bytes / 1e9) or None,
-           "peak_processes": t.peak_processes, "samples_per_s_e2e": STEPS * samples_per_step / t.wall_s,
-           "peak_breakdown": [(n, round(b / 1e6)) for n, b in t.peak_breakdown]}
+           "peak_processes": t.peak_processes, "peak_breakdown": [(n, round(b / 1e6)) for n, b in t.peak_breakdown]}
     if mem:
         row["device_peak_gib"] = round(max(m for _, m in mem) / 1024, 2)
+    return row
+
+
+def end_to_end(row: dict, samples_per_step: int) -> dict:
+    """samples_per_s_e2e (STEPS x samples per step over the whole command) only for a side that exited 0 having
+    done every step; otherwise None (a side killed after 0 steps has no throughput, not a small one)."""
+    done = row.get("rc") == 0 and not row.get("timed_out") and row.get("steps", 0) >= STEPS and row.get("wall_s")
+    row["samples_per_s_e2e"] = STEPS * samples_per_step / row["wall_s"] if done else None
     return row
 
 
@@ -158,7 +170,7 @@ def run_ours(shared: Path, samples_per_step: int, timeout_s: float) -> dict:
     if layout.metrics_file(run_dir).exists():
         shutil.copy2(layout.metrics_file(run_dir), OUT / "ours_metrics.jsonl")
     keep_tail(RUN_ROOT / "ours.console", OUT / "ours.console.txt")
-    return row
+    return end_to_end(row, samples_per_step)
 
 
 def trl_python() -> str:
@@ -196,7 +208,7 @@ def run_trl(shared: Path, prompts: list[dict], cfg, samples_per_step: int, timeo
     steps = [json.loads(x) for x in steps_path.read_text().splitlines() if x.strip()] if steps_path.exists() else []
     ends = [s["time"] for s in steps if "loss" in s or "reward" in s][:STEPS]
     row.update(ours.timeline(ends, t.start, samples_per_step))
-    return row
+    return end_to_end(row, samples_per_step)
 
 
 def keep_tail(src: Path, dst: Path, limit: int = 200_000) -> None:

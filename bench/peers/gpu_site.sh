@@ -6,8 +6,8 @@
 # >= 24; the image's version is not recorded; PYARROW=0 leaves it out: 1.7 MB instead of ~54 MiB). accelerate, pandas,
 # xxhash, fsspec, huggingface-hub, jinja2, psutil, pyyaml, requests and aiohttp are the image's
 # (/work/.library/device/KINDS.md's list). On the device: carry .trl and start the command with
-#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/trlsite .trl/*.whl
-# bench/peers/gpu.py puts /tmp/trlsite first on the TRL process's PYTHONPATH (never on our side's).
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/trl/site-packages .trl/*.whl
+# bench/peers/gpu.py puts /tmp/trl/site-packages first (a path holding "site-packages": dill pickles modules from any other folder by value) on the TRL process's PYTHONPATH (never on our side's).
 set -eu
 dest=${DEST:-.trl}
 if [ "$dest" = .trl ]; then

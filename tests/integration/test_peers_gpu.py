@@ -46,6 +46,13 @@ def test_both_sides_get_the_recipes_engine_and_training_settings_at_the_generati
     text = g.report(rows, ["a note"])
     assert "| ours | 30.0 | 40.0 |" in text and "samples/s end to end 3.00x, per step 2.00x, peak device memory -" in text
     assert text.endswith("- a note")
+    # A side cut short has no end-to-end throughput (the 2026-12-07 H100 run printed 11.4 for 0 steps in 225 s).
+    done = {"rc": 0, "timed_out": False, "steps": g.STEPS, "wall_s": 100.0}
+    assert g.end_to_end(dict(done), 512)["samples_per_s_e2e"] == g.STEPS * 512 / 100.0
+    for cut in ({"rc": -9, "timed_out": True, "steps": 0}, {"rc": 0, "steps": g.STEPS - 1}, {"rc": 1}):
+        row = g.end_to_end({**done, **cut}, 512)
+        assert row["samples_per_s_e2e"] is None
+        assert "| ours | - |" in g.report([{**row, "name": "ours", "side": "ours"}], [])
 
 
 @pytest.mark.slow
