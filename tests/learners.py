@@ -55,6 +55,14 @@ def make_batch(seed=0, groups=3, n=4, budget=48, minibatches=1, step=0, gen_logp
                       minibatches=split_minibatches(plan, minibatches, lengths))
 
 
+def sequences(batch):
+    """(prompt ids, completion ids) of every sample of a TrainBatch, as int64 tensors: Learner.logprobs' input."""
+    from queues.messages import unpack_ids
+
+    return [(torch.from_numpy(unpack_ids(grp.prompt_tokens).astype("int64")),
+             torch.from_numpy(unpack_ids(c).astype("int64"))) for grp in batch.groups for c in grp.completions]
+
+
 def params(learner):
     return {k: v.clone() for k, v in learner.state_dict_hf().items()}
 
