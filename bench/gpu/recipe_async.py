@@ -1,7 +1,7 @@
 """gpu1_0p6b colocated against async, or against LoRA, on its one GPU, back to back in one device call.
 
     python3 -m bench.gpu.recipe_async                  # H200, after shared/gpu/device-setup.sh: both modes, ~9 min
-    FULL=1 MODES=async python3 -m bench.gpu.recipe_async  # the recipes as they are (40 steps, 400-step warm start):
+    FULL=1 MODES=async python3 -m bench.gpu.recipe_async  # the recipes as they are (40 steps, 500-step warm start):
                                                  # one mode a call (MODES=colocated, then MODES=async)
     MODES="lora colocated" python3 -m bench.gpu.recipe_async  # LoRA RL (gpu1_0p6b_lora) against full fine-tuning
     SMOKE=1 .venv/bin/python -m bench.gpu.recipe_async    # CPU: tiny colocated vs tiny async, 4 steps each (the plumbing)
@@ -20,7 +20,7 @@ every 200 ms; run_root outside $OUT):
                                   object store into vLLM as a new LoRA adapter
 To fit both runs in one call (the device's 10 minutes: each run also pays ~2 minutes of start-up, the task
 and model built, the learner then the engine), EXTRA defaults to a shorter run of both recipes alike: a
-200-step warm start (the recipe's 400 took ~165 s a run), 12 RL steps, held-out evaluation at steps 0, 6
+200-step warm start (the recipe's 500 take ~165 s a run), 12 RL steps, held-out evaluation at steps 0, 6
 and 12 (`coordinator.steps=12 coordinator.eval_every=6 model.tiny_sft_steps=200`); async runs first, so
 the new path gets the fresh budget. FULL=1 runs the recipes unchanged (EXTRA empty): ~6 minutes a mode,
 so one mode a call.
