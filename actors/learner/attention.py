@@ -16,7 +16,7 @@ group's prompt once and its responses after it (policies/prefix.py): only "prefi
   shared prompts included.
 - sdpa / eager with the block-diagonal [1, 1, T, T] additive mask (PackedBatch.attention_mask):
   the fallback. It is exact but computes all T^2 scores of the row (on an H200
-  at 32k tokens: 3.5x slower than varlen and 87 GiB, docs/perf/h200.md).
+  at 32k tokens: 3.5x slower than varlen and 87 GiB, measured 2026-12-02: `git show 0c0094e:docs/perf/h200.md`).
 
 Off CUDA, or where varlen_attn is missing, the "varlen" function runs one sdpa(is_causal) per
 sample instead (same contract, slower): that is what lets the CPU tests run the registered

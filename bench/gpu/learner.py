@@ -19,7 +19,7 @@ PackedBatch's cu_seqlens on CUDA, one sdpa per sample on CPU), asked for by name
 per-sample sdpa first; "sdpa" is whatever the Learner picks for sdpa (varlen on a GPU without flash_attn,
 the dense mask on CPU); "sdpa_dense" forces the old block-diagonal [1,1,T,T] mask with sdpa's masked
 kernel (the slow baseline). Until 2026-12-02 "varlen" was a function registered by this script
-("arl_varlen"); the docs/perf/h200.md rows of that date were measured with it. The log-probs of every variant on the same weights and batch are
+("arl_varlen", the same torch varlen_attn kernel); docs/perf/h200.md's rows of that date were measured with it. The log-probs of every variant on the same weights and batch are
 compared against the first variant of the same model ("lp_vs_ref"). The shapes, batches, FLOPs and the Learner's
 construction it shares with the other GPU benches: bench/gpu/learner_kit.py.
 """
