@@ -12,7 +12,9 @@ Invariants:
   reports the version it was sent.
 - A failed sync (a generator died mid-sync; Ray restarts it) is redone from bucket 0, a bounded
   number of times with backoff; a collective transport's group (`group`, kept between syncs) is
-  rebuilt whole before the next attempt.
+  rebuilt whole before the next attempt. Before it, a generator whose engine is not built (Ray restarted
+  it colocated: a DeferredEngine, and the step's wake(["weights"]) went to its dead predecessor) is woken
+  (CI's chaos run: a generator killed during step 6's sync failed all 5 attempts with EngineAsleep).
 - A generator Ray restarted (initial weights, or another version) gets the current version alone,
   through the object store (`weights.strategy.fallback`) when the transport is collective, while the
   others keep generating.
@@ -172,7 +174,25 @@ class WeightSync:
                     self.log.warning("weight sync failed; redoing it", version=version, attempt=attempt + 1,
                                      error=str(e).splitlines()[0][:200])
                 await asyncio.sleep(min(2.0, 0.25 * 2 ** attempt))
+                await self._wake_unbuilt(self.generators.actors if targets is None else targets)
         return time.perf_counter() - start
+
+    async def _wake_unbuilt(self, generators: list) -> None:
+        """Wakes the weights of the generators whose engine is not built (restarted colocated: module
+        invariant); one still restarting (no health answer in HEALTH_TIMEOUT_S) is asked again next attempt."""
+        async def unbuilt(g) -> bool:
+            try:
+                h = await self.generators.health(g, HEALTH_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - still restarting: the next attempt asks again
+                return False
+            return h is not None and not h.get("engine_built", True)
+        flags = await asyncio.gather(*(unbuilt(g) for g in generators))
+        rebuilt = [g for g, f in zip(generators, flags) if f]
+        if rebuilt:
+            if self.log is not None:
+                self.log.warning("waking restarted generators before the sync is redone",
+                                 generators=[self.generators.label(g) for g in rebuilt])
+            await self.generators.wake(["weights"], targets=rebuilt)
 
     async def _sync_once(self, version: int, generators: list) -> None:
         from weights.strategy import fallback, transport_for

@@ -80,9 +80,10 @@ def test_broadcast_sync_rebuilds_its_group_for_restarted_generators(tmp_path, lo
     assert coord.log.events.count(("info", "weight-sync group built")) == 3
 
 
-def test_colocated_generator_restarted_by_ray_builds_its_engine_only_when_healed(tmp_path, local_ray):
+def test_colocated_generator_restarted_by_ray_builds_its_engine_only_when_healed_or_a_sync_is_redone(tmp_path, local_ray):
     """Colocated, the learner may be training on the GPU of a generator Ray restarts: it comes back
-    with nothing built (a DeferredEngine: no weights, no KV cache) until the coordinator wakes it."""
+    with nothing built (a DeferredEngine: no weights, no KV cache) until the coordinator wakes it: in
+    heal, or when a step's sync it died in is redone (the step's wake went to its predecessor)."""
     ray = local_ray
     learner, (colocated, disaggregated), coord = learner_generators_coordinator(
         tmp_path, "object_store", colocated=[True, False])
@@ -99,3 +100,13 @@ def test_colocated_generator_restarted_by_ray_builds_its_engine_only_when_healed
         h = ray.get(g.health.remote())
         assert (h["version"], h["needs_weights"], h["engine_built"]) == (1, False, True), h
         assert ray.get(g.__ray_call__.remote(engine_mismatches, want)) == []
+
+    # Killed mid-step, after the step's wake(["weights"]): the redone sync wakes the new instance first
+    # (without that, every attempt failed with EngineAsleep: the chaos run of 2026-12-07).
+    _train_and_sync(learner, coord, 1)  # the weights move on; both generators take them
+    h = _kill_and_wait_for_restart(colocated)
+    assert h["engine_built"] is False, h
+    asyncio.run(coord.weights.sync(2, targets=[colocated]))
+    h = ray.get(colocated.health.remote())
+    assert h["engine_built"] is True, h
+    assert ray.get(colocated.__ray_call__.remote(engine_mismatches, ray.get(learner.__ray_call__.remote(learner_weights)))) == []
