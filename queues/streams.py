@@ -9,10 +9,10 @@ Invariants:
   unacked data stays, and Redis memory stays bounded by the backlog.
 - `publish` waits while the stream holds more than `high_water` entries not yet acked
   (backpressure), so a fast producer cannot fill Redis.
-- A publish adds its entry once, however often it is retried: each message carries a random token and
-  is added by one Lua script that first claims `<stream>:sent:<token>` (SET NX, expiring after the
-  retry budget); a retry whose first try reached Redis but whose reply was lost (a restart mid-call)
-  gets the first try's entry id back instead of a second entry.
+- A publish adds its entry once, however often it is retried: each message gets a random token and is
+  added by one Lua script that returns the id held at `<stream>:sent:<token>` if there is one, else adds
+  the entry and stores its id there (expiring 15 s after the retry budget); a retry whose first try reached
+  Redis but whose reply was lost (a restart mid-call) gets the first try's entry id back, not a second entry.
 - Connection loss is retried with backoff; past the deadline it is one RedisUnavailable error
   naming the URL (password redacted). An actor's first connect (`RunStreams.open`) has the same
   budget as a reconnect mid-run.

@@ -157,48 +157,42 @@ async def test_clients_ride_out_a_redis_restart_with_persistence(tmp_path):
         assert [d for _, d in got] == [b"before", b"during"]
 
 
+def _losing_its_first_reply(call, lost: list):
+    """`call`, whose first reply is lost after Redis ran it (as a restart mid-call loses it); `lost` counts it."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    async def wrapped(*args, **kwargs):
+        out = await call(*args, **kwargs)
+        if not lost:
+            lost.append(1)
+            raise RedisConnectionError("Connection closed by server.")
+        return out
+    return wrapped
+
+
 async def test_a_publish_whose_reply_was_lost_is_added_once(redis_url, monkeypatch):
     """The failure a restart mid-call makes (Redis ran the add, the reply never came): the retry gets the
     first entry's id back, one entry in the stream, for publish and for publish_many."""
-    from redis.exceptions import ConnectionError as RedisConnectionError
-
     s = await _stream(redis_url)
-    real = s._add_once
-    lost = {"n": 0}
-
-    async def reply_lost_once(*args, **kwargs):
-        got = await real(*args, **kwargs)
-        if lost["n"] == 0:
-            lost["n"] += 1
-            raise RedisConnectionError("Connection closed by server.")
-        return got
-
-    monkeypatch.setattr(s, "_add_once", reply_lost_once)
+    lost: list = []
+    monkeypatch.setattr(s, "_add_once", _losing_its_first_reply(s._add_once, lost))
     first = await s.publish(b"once")
-    assert lost["n"] == 1
+    assert lost == [1]
     got = await s.consume("c", count=10, block_ms=100)
     assert got == [(first, b"once")]
 
-    lost["n"] = 0
-    monkeypatch.setattr(s, "_add_once", real)
-    pipe_execute = s.redis.pipeline
+    monkeypatch.undo()
+    lost.clear()
+    make_pipeline = s.redis.pipeline
 
     def pipeline_losing_its_reply(*args, **kwargs):
-        pipe = pipe_execute(*args, **kwargs)
-        run = pipe.execute
-
-        async def execute(*a, **k):
-            out = await run(*a, **k)
-            if lost["n"] == 0:
-                lost["n"] += 1
-                raise RedisConnectionError("Connection closed by server.")
-            return out
-        pipe.execute = execute
+        pipe = make_pipeline(*args, **kwargs)
+        pipe.execute = _losing_its_first_reply(pipe.execute, lost)
         return pipe
 
     monkeypatch.setattr(s.redis, "pipeline", pipeline_losing_its_reply)
     ids = await s.publish_many([b"a", b"b"])
-    assert lost["n"] == 1
+    assert lost == [1]
     got = await s.consume("c", count=10, block_ms=100)
     assert len(ids) == 2 and got == list(zip(ids, [b"a", b"b"]))
 
