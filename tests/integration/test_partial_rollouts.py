@@ -69,7 +69,16 @@ async def test_a_rollout_interrupted_by_a_weight_update_continues_under_the_new_
     runner = asyncio.create_task(gen.run(redis_url, RUN, "gen-0"))
     try:
         await _until(lambda: any(len(r.tokens) >= 3 for q in engine._active for r in q.rows), 60, "no row decoding")
-        await gen.pause(interrupt=True)
+        # Hold the next decode step until the interrupt is asked for, so no row can run to max_tokens in between
+        # (CI's busy cores once let all of them end before the pause's read of the prompts stream had returned).
+        lock = engine._model_lock()
+        await lock.acquire()
+        pausing = asyncio.create_task(gen.pause(interrupt=True))
+        try:
+            await _until(lambda: engine._interrupting, 30, "the pause never asked the engine to interrupt")
+        finally:
+            lock.release()
+        await asyncio.wait_for(pausing, 60)
         assert len(gen._inflight) == 3  # nothing finished or published at the boundary
         parked = {q.task.task_id: [(list(r.tokens), list(r.logprobs)) for r in q.rows] for q in engine._parked}
         assert parked and all(len(r[0]) >= 1 for rows in parked.values() for r in rows)
