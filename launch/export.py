@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     from actors import lora
+    from observe.logs import quiet_cpu_host
+
+    quiet_cpu_host()  # peft imports DeepSpeed: no accelerator WARNING before the `merged:` line
 
     p = argparse.ArgumentParser(prog="python -m launch.export", description=main.__doc__)
     p.add_argument("--merge", required=True, help="a LoRA run's export (runs/<run>/hf/step_<N>)")

@@ -3,6 +3,7 @@ generates and scores with it as with a full export, `python -m launch.export --m
 plain model directory whose answers are the adapter's, and launch.serve's loader (launch.export.load_engine)
 serves it."""
 import json
+import os
 import shutil
 
 import pytest
@@ -58,6 +59,20 @@ def test_merge_refuses_what_is_not_a_lora_export(exports, tmp_path, capsys):
     _, full, _ = exports
     assert export_main(["--merge", str(full), "--out", str(tmp_path / "m")]) == 2
     assert "not a LoRA export" in capsys.readouterr().err
+
+
+def test_merge_as_typed_prints_only_its_line(exports, tmp_path):
+    """`python -m launch.export --merge` in a fresh process: stdout is the `merged:` line and stderr carries no
+    library WARNING (peft imports DeepSpeed, whose accelerator probe warns on a host without NVIDIA devices)."""
+    import subprocess
+    import sys
+
+    adapter, _, _ = exports
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    proc = subprocess.run([sys.executable, "-m", "launch.export", "--merge", str(adapter), "--out", str(tmp_path / "m")],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"merged: {tmp_path / 'm'}", proc.stdout + proc.stderr
+    assert "WARNING" not in proc.stderr and "accelerator" not in proc.stderr, proc.stderr
 
 
 async def test_serve_loader_takes_a_lora_export(exports):
