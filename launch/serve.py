@@ -64,6 +64,7 @@ from launch.serve_health import (
 )
 from launch.serve_http import (  # noqa: F401  (re-exported: tests and callers import them from here)
     MAX_BODY_BYTES,
+    MAX_TURNS,
     RequestError,
     ServeOptions,
     _error,
@@ -72,6 +73,7 @@ from launch.serve_http import (  # noqa: F401  (re-exported: tests and callers i
     find_databases,
     json_value,
     read_json,
+    request_turns,
 )
 from observe.logs import setup_actor_logging
 
@@ -108,9 +110,6 @@ async def _authorize(request: Request, call_next):
         response.headers["WWW-Authenticate"] = 'Basic realm="arl-sql"' if request.url.path == "/" else "Bearer"
         return response
     return await call_next(request)
-
-
-MAX_TURNS = 8  # /v1/sql's max_turns at most
 
 
 @serve.deployment(name=MODEL_DEPLOYMENT)
@@ -267,10 +266,7 @@ class SqlService:
         db_id = self._db(body)
         evidence = field_of(body, "evidence", str, required=False, max_chars=self.opts.max_evidence_chars) or ""
         execute = bool(field_of(body, "execute", bool, required=False))
-        max_turns = field_of(body, "max_turns", int, required=False) or 1
-        if not 1 <= max_turns <= MAX_TURNS:
-            raise RequestError(422, f"field 'max_turns' must be in 1..{MAX_TURNS}, got {max_turns}")
-        out = await self._answer(db_id, question, evidence, execute, max_turns)
+        out = await self._answer(db_id, question, evidence, execute, request_turns(body, self.settings["max_turns"]))
         out.pop("usage")
         return JSONResponse(out)
 
@@ -287,7 +283,7 @@ class SqlService:
         body = await read_json(request)
         question, db_id, evidence, execute = parse_chat(body, self.dbs, self.opts.max_question_chars,
                                                         self.opts.max_evidence_chars)
-        out = await self._answer(db_id, question, evidence, execute)
+        out = await self._answer(db_id, question, evidence, execute, request_turns(body, self.settings["max_turns"]))
         prompt_tokens, completion_tokens = out.pop("usage")
         return JSONResponse(chat_response(out, body["model"], prompt_tokens, completion_tokens))
 

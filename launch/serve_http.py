@@ -94,6 +94,21 @@ def field_of(body: Any, name: str, kind: type, required: bool = True, max_chars:
     return value
 
 
+MAX_TURNS = 8  # a request's max_turns at most
+
+
+def request_turns(body: Any, trained: int) -> int:
+    """A request's max_turns: its own (1..MAX_TURNS; RequestError 422 naming the field otherwise), else (absent,
+    null or 0) the export's generator.max_turns: a model trained on multi-turn episodes answers from their
+    prompt, and from the single-turn one it never saw it may write no SQL at all."""
+    asked = field_of(body, "max_turns", int, required=False)
+    if not asked:
+        return max(1, min(MAX_TURNS, int(trained or 1)))
+    if not 1 <= asked <= MAX_TURNS:
+        raise RequestError(422, f"field 'max_turns' must be in 1..{MAX_TURNS} (0: as the model trained), got {asked}")
+    return asked
+
+
 async def read_json(request: Request) -> dict:
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:

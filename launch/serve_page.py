@@ -28,7 +28,7 @@ PAGE = """<!doctype html>
 <label>Question <textarea id="question" rows="3" placeholder="Ask about the database picked above"></textarea></label>
 <label>Evidence (optional) <input type="text" id="evidence"></label>
 <label><input type="checkbox" id="execute" checked> run the SQL (read-only sandbox)</label>
-<label>Turns <input type="number" id="turns" min="1" max="8" value="1"> (above 1: the model may run queries and see their rows or error before it answers)</label>
+<label>Turns <input type="number" id="turns" min="1" max="8" placeholder="as trained"> (above 1: the model may run queries and see their rows or error before it answers; empty: as the model trained)</label>
 <p><button id="ask">Ask</button> <span id="status"></span></p>
 <h2>SQL</h2>
 <pre id="sql"></pre>
@@ -68,7 +68,7 @@ async function ask() {
   $('status').textContent = 'thinking...'; $('sql').textContent = ''; $('error').textContent = '';
   $('result').textContent = ''; $('timings').textContent = ''; $('episode').textContent = '';
   const body = {question: $('question').value, db_id: $('db').value, evidence: $('evidence').value,
-                execute: $('execute').checked, max_turns: Number($('turns').value) || 1};
+                execute: $('execute').checked, max_turns: Number($('turns').value) || 0};
   try {
     const r = await fetch('/v1/sql', {method: 'POST', headers: {'Content-Type': 'application/json'}, body: JSON.stringify(body)});
     const data = await r.json();

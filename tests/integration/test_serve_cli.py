@@ -50,3 +50,17 @@ def test_auth_rules_without_a_service():
     assert [is_loopback(h) for h in ("127.0.0.1", "127.3.2.1", "::1", "[::1]", "localhost")] == [True] * 5
     assert [is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.1", "example.org", "")] == [False] * 5
     assert host_refusal("127.0.0.1", None) == "" and host_refusal("0.0.0.0", "k") == ""
+
+
+def test_a_request_without_max_turns_gets_the_turns_the_model_trained_with():
+    """A model trained on look-then-fix episodes (its export's max_turns 3) is asked as it trained unless the
+    request says otherwise: from the single-turn prompt it never saw it may write no SQL at all (seen: a
+    tiny_look export answered "'" to every dev question at 1 turn, the right rows at 3)."""
+    from launch.serve_http import MAX_TURNS, RequestError, request_turns
+
+    assert [request_turns(body, 3) for body in ({}, {"max_turns": None}, {"max_turns": 0})] == [3, 3, 3]
+    assert request_turns({}, 1) == 1 and request_turns({}, 0) == 1 and request_turns({}, 99) == MAX_TURNS
+    assert request_turns({"max_turns": 1}, 3) == 1 and request_turns({"max_turns": 5}, 1) == 5
+    for bad, reason in ((99, "must be in 1..8"), (-1, "must be in 1..8"), ("3", "must be an integer"), (True, "must be an integer")):
+        with pytest.raises(RequestError, match=reason):
+            request_turns({"max_turns": bad}, 3)
