@@ -276,16 +276,16 @@ def gpu1_0p6b_async() -> RunConfig:
     the engine parks its in-flight requests and continues them under the new weights (partial rollouts),
     the weights go over CUDA IPC on the card (the colocated path's transport), and the loss corrects for
     the behaviour policy with TIS at 2 (as gpu1_0p6b). Its warm start runs beside the resident engine.
-    Compare with gpu1_0p6b in one device call: `python -m bench.gpu.recipe_async`. Measured on one H200
-    (2026-12-04, seed 0, 40 steps; docs/perf/vllm_sync.md): 49.7 samples/s a whole step against
-    colocated's 30.1 (1.65x), held-out reward 0.216 -> 0.291 and greedy 0.177 -> 0.285 (colocated 0.268 /
-    0.247), 52.0 GiB resident against 44.7; its start-up is longer (the learner built and asleep before the
-    engine starts), so the whole run took 483 s, over gpu1_0p6b's 8-minute bound: an option, not the default.
-    vLLM stays eager here (gpu1_0p6b runs CUDA graphs): parking and continuing requests at each update was
-    measured eager only."""
+    Compare with gpu1_0p6b in one device call: `python -m bench.gpu.recipe_async`. vLLM runs CUDA graphs, as
+    gpu1_0p6b's. Measured on one H100 80GB (2026-12-07, seed 0, 40 steps, `cluster.gpu_memory_gib=79`;
+    docs/perf/gpu_h100.md): 161.5 samples/s a whole step against colocated's 70.7 (2.28x), 0.40 s a step
+    (generation wholly hidden behind training), held-out reward 0.214 -> 0.271 and greedy 0.177 -> 0.237
+    (colocated 0.273 / 0.269), 34.1 GiB resident against 26.8, 239 s the whole run. Eager, async only matched
+    colocated with graphs (97.9 against 97.6 samples/s in the 12-step form): eager decoding costs what the
+    overlap saves. With graphs no request was parked at an update in that run (generation ended first); parking
+    and continuing ran on the card eager (4 requests a step, exit 0) and is tested on CPU."""
     cfg = gpu1_0p6b()
     cfg.name = "gpu1_0p6b_async"
-    cfg.generator.enforce_eager = True  # partial rollouts measured eager only (docstring)
     cfg.coordinator.mode = "async"
     cfg.assembler.max_staleness = 1
     cfg.generator.partial_rollouts = True
