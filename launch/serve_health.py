@@ -1,7 +1,7 @@
 """launch.serve's `GET /healthz`: answered in Ray Serve's HTTP proxy itself, or by an application of its own,
 never by a model replica, so a probe never waits behind inference.
 
-The model replicas (launch/serve.py's SqlService) run generation and SQL; a route of theirs waits for
+The model replicas (launch/serve_app.py's SqlService) run generation and SQL; a route of theirs waits for
 their CPU, their event loop and their request queue (measured under 64 clients: /healthz p50 434 ms,
 max 2.3 s). Even a replica that does no work costs a hop from the proxy (its event loop, Ray's core
 worker and gRPC, the replica's loop and back: p99 0.5-1.5 s on the loaded 2 cores, against 40-150 ms for
@@ -13,7 +13,7 @@ a route the proxy answers itself; docs/RELIABILITY.md). So /healthz is answered 
   launch.serve's CLI sets them for the cluster it starts. Its answers carry `x-arl-healthz: proxy`.
 - Otherwise (a cluster joined with --ray-address, a proxy started without the callback) by the
   `HealthProbe` deployment (app `arl-sql-health`, route prefix `/healthz`, no CPU reserved), which the
-  proxy sends /healthz to by its longest-prefix rule; `x-arl-healthz: replica`. launch/serve.py's
+  proxy sends /healthz to by its longest-prefix rule; `x-arl-healthz: replica`. launch/serve_app.py's
   `start` asks /healthz once after the model app is up and deploys this app only when the proxy did
   not answer it.
 Both answer from memory (`HealthState`: a daemon thread asks the controller for its status, what
@@ -55,7 +55,7 @@ from starlette.responses import JSONResponse, Response
 
 from launch.serve_http import _error, auth_refusal, find_databases
 
-MODEL_APP, MODEL_DEPLOYMENT = "arl-sql", "SqlService"  # launch/serve.py's application and deployment
+MODEL_APP, MODEL_DEPLOYMENT = "arl-sql", "SqlService"  # launch/serve_app.py's application and deployment
 HEALTH_APP = "arl-sql-health"
 HEALTH_PREFIX = "/healthz"
 FIRST_STATUS_S = 30.0  # the HealthProbe's constructor waits at most this for the controller's first answer

@@ -16,7 +16,7 @@ Invariants:
   (`replica_grpc_on_loopback`): with --host beyond loopback, the proxy is the one socket exposed.
 - A cluster of our own is started with `cluster_env` (launch/serve_health.py's `proxy_env`) in the
   environment, so its Ray Serve proxy answers /healthz itself (no hop to a replica); a joined cluster
-  (--ray-address) gets the health app instead (launch/serve.py start).
+  (--ray-address) gets the health app instead (launch/serve_app.py start).
 - A model replica runs `--replica-nice` (default 10) nice levels below the rest of the service
   (`lower_priority`, from its constructor: every thread of it, and so its generation threads and its
   sandbox worker processes): on a host with no spare core, Ray Serve's proxy, its controller and the
@@ -148,7 +148,7 @@ def stop(temp_dir: str | None, wait_s: float = 15.0) -> list[int]:
 def main(argv: list[str] | None, start, cluster_env=None) -> int:
     """The CLI; `start(opts, host, port, replicas, actor_options, timeout_s) -> url` deploys the service
     on the connected Ray, and `cluster_env(opts, databases) -> {name: value}` is the environment a cluster
-    we start gets (launch/serve.py's, passed in: this module never imports that one)."""
+    we start gets (launch/serve.py's, passed in: this module never imports Ray Serve's application)."""
     from launch.serve_http import ServeOptions, find_databases, host_refusal, key_digest
     from observe.logs import quiet_cpu_host
 

@@ -11,7 +11,7 @@ Invariants:
   `execute` (default true) are optional extra fields. Generation is /v1/sql's: greedy, the training
   prompt; sampling fields (temperature, top_p, n > 1...) are ignored, and `n` above 1 is refused.
 - `stream: true` is a 400 with one line; every error body is {"error": "<one line>"}.
-- Pure request/response shaping: the service (launch/serve.py) generates and executes.
+- Pure request/response shaping: the service (launch/serve_app.py) generates and executes.
 """
 from __future__ import annotations
 

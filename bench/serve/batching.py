@@ -58,7 +58,7 @@ def main() -> int:
     import ray
     from ray import serve
 
-    from launch.serve import ServeOptions, start
+    from launch.serve_app import ServeOptions, start
     from tasks.bird import load_split
 
     if args.model:

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.serve.batching import percentile
     from bench.serve.load import Tally, _client, hostile_requests, ordinary_requests
     from launch.local_ray import init_local_ray
-    from launch.serve import ServeOptions, start
+    from launch.serve_app import ServeOptions, start
     from tasks.bird import load_split
     from tests.tiny_export import build
 

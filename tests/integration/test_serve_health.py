@@ -40,7 +40,7 @@ def test_healthz_answers_while_the_model_replica_is_frozen_and_turns_503_when_th
                                                                                                      monkeypatch):
     from ray import serve
 
-    from launch.serve import ServeOptions, start
+    from launch.serve_app import ServeOptions, start
     from launch.serve_health import MODEL_APP, MODEL_DEPLOYMENT, proxy_env
     from launch.serve_http import key_digest
     from tests.net import free_port

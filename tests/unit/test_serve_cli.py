@@ -1,5 +1,6 @@
-"""launch.serve's checks that need no service: the CLI's bad input exits 2 with one line before Ray starts, and
-the rules an API key and a host are held to (launch.serve_http). Not the unit lane: launch.serve imports Ray Serve."""
+"""launch.serve's checks that need no service: the CLI's bad input exits 2 with one line before Ray is even imported
+(the unit lane's guard fails a test that imports Ray: launch/serve.py keeps Ray Serve's application, launch/serve_app.py,
+behind its checks), and the rules an API key and a host are held to (launch.serve_http)."""
 import base64
 
 import pytest
@@ -22,7 +23,7 @@ import pytest
     (["--model", "/no/such/export", "--host", "::1"], None, "/no/such/export"),
     (["--model", "/no/such/export", "--host", "localhost"], None, "/no/such/export"),
 ])
-def test_cli_bad_input_exits_2_before_starting_ray(tmp_path, capsys, monkeypatch, args, key, message):
+def test_cli_bad_input_exits_2_before_importing_ray(tmp_path, capsys, monkeypatch, args, key, message):
     from launch.serve import main
 
     if key is None:
