@@ -22,7 +22,10 @@ What it does, in order (each step bounded; the first failure is one line, Prefli
 `--simulate` starts a local ray.cluster_utils.Cluster of the recipe's shape (num_nodes raylets, each
 with gpus_per_node logical GPUs and the CPUs its bundles need, own temp dir, loopback) and runs the
 same steps there; GPU ids are logical and there is no device memory; model and BIRD paths are not
-checked. Redis: REDIS_URL / cluster.redis_url, else an embedded redis-server started for the check.
+checked. Ray's Cluster writes its address to Ray's default address file (/tmp/ray/ray_current_cluster) even
+with a temp dir of its own: the simulation makes that directory where it is missing (a fresh machine) and puts
+the file back as it found it afterwards, so a cluster the user runs is still the one a bare `ray.init()` finds.
+Redis: REDIS_URL / cluster.redis_url, else an embedded redis-server started for the check.
 """
 from __future__ import annotations
 
@@ -268,6 +271,9 @@ def simulated_cluster(placement: Placement, temp_root: str | None = None):
     cpus = math.ceil(cpus) + 1
     gpus = placement.gpus_per_node
     temp_dir = tempfile.mkdtemp(prefix="arl-preflight-", dir=temp_root or "/tmp")
+    address_file = _ray_address_file()
+    previous_address = address_file.read_bytes() if address_file.is_file() else None
+    address_file.parent.mkdir(parents=True, exist_ok=True)
     cluster = None
     env = environ(NO_PRESTART)  # the raylets inherit it: no idle workers per logical CPU
     env.__enter__()
@@ -287,6 +293,25 @@ def simulated_cluster(placement: Placement, temp_root: str | None = None):
         if cluster is not None:
             cluster.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+        _restore(address_file, previous_address)
+
+
+def _ray_address_file() -> Path:
+    """Where Ray's Cluster records the newest cluster's address (its temp_dir argument does not move it)."""
+    from ray._common.utils import get_ray_address_file
+
+    return Path(get_ray_address_file(None))
+
+
+def _restore(path: Path, content: bytes | None) -> None:
+    """`path` as it was: `content`, or no file where there was none."""
+    try:
+        if content is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_bytes(content)
+    except OSError:
+        pass  # another user's /tmp/ray: theirs to keep
 
 
 def preflight(cfg: RunConfig, simulate: bool = False, placement_timeout_s: float = 120.0,

