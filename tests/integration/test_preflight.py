@@ -203,17 +203,3 @@ def test_cli_simulate_without_preflight_is_a_one_line_error():
                        text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip() == "error: --simulate goes with --preflight"
 
-
-def test_simulation_on_a_machine_without_ray_s_temp_dir_leaves_its_address_file_as_found(tmp_path, monkeypatch):
-    """A fresh machine has no /tmp/ray: Ray's Cluster still writes its address there (its own temp dir does not
-    move that file) and failed with FileNotFoundError from deep inside Ray (seen in CI when this module's
-    clusters were the first Ray of the run). RAY_TMPDIR stands in for /tmp here."""
-    from launch.preflight import _restore
-
-    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
-    address_file = tmp_path / "ray" / "ray_current_cluster"
-    with simulated_cluster(make_placement(get_recipe("tiny"))) as cluster:
-        assert address_file.read_text() == cluster.address
-    assert not address_file.exists()  # none before, none after
-    _restore(address_file, b"10.0.0.7:6379")  # a user's cluster recorded there before: put back as it was
-    assert address_file.read_bytes() == b"10.0.0.7:6379"
