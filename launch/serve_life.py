@@ -11,7 +11,9 @@ Invariants:
   host does not have is one ValueError line (the CLI's exit 2), not Ray Serve's tracebacks.
 - After `interrupt_on_sigterm`, SIGTERM raises KeyboardInterrupt in the main thread, so the CLI's
   `finally` runs for it exactly as for Ctrl-C (ray.init replaces the handler with one that exits 15:
-  the CLI installs it again after; during ray.init that exit still runs the same `finally`).
+  the CLI installs it again after; during ray.init that exit still runs the same `finally`). The first
+  Ctrl-C or SIGTERM sets both to ignored as it raises, so a second one on its heels (seen: a signal sent
+  to the CLI and to a wrapper that passed it on) cannot raise again on the way into `stop`.
 - In a replica of our own (loopback) cluster, Serve's inter-deployment gRPC server binds 127.0.0.1
   (`replica_grpc_on_loopback`): with --host beyond loopback, the proxy is the one socket exposed.
 - A cluster of our own is started with `cluster_env` (launch/serve_health.py's `proxy_env`) in the
@@ -102,11 +104,16 @@ def lower_priority(steps: int) -> int:
         done |= tids
 
 
-def interrupt_on_sigterm() -> None:
-    def _raise(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+def _interrupt_once(signum, frame):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # `stop` puts both back when it ends
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt(f"signal {signum}")
 
-    signal.signal(signal.SIGTERM, _raise)
+
+def interrupt_on_sigterm() -> None:
+    """Ctrl-C and SIGTERM raise KeyboardInterrupt once; after it both are ignored until `stop` ends."""
+    signal.signal(signal.SIGTERM, _interrupt_once)
+    signal.signal(signal.SIGINT, _interrupt_once)
 
 
 def stop(temp_dir: str | None, wait_s: float = 15.0) -> list[int]:

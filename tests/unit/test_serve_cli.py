@@ -65,3 +65,31 @@ def test_a_request_without_max_turns_gets_the_turns_the_model_trained_with():
     for bad, reason in ((99, "must be in 1..8"), (-1, "must be in 1..8"), ("3", "must be an integer"), (True, "must be an integer")):
         with pytest.raises(RequestError, match=reason):
             request_turns({"max_turns": bad}, 3)
+
+
+def test_the_first_interrupt_raises_and_a_second_on_its_heels_is_ignored():
+    """Seen: a SIGINT sent to the CLI and passed on again by a wrapper raised a second KeyboardInterrupt on the
+    way into `stop` (a traceback, the clean-up cut short)."""
+    import os
+    import signal
+
+    from launch.serve_life import interrupt_on_sigterm
+
+    saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        interrupt_on_sigterm()
+        for first in (signal.SIGINT, signal.SIGTERM):
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), first)
+                signal.sigtimedwait([], 0.001)  # lets the handler run here
+            try:
+                os.kill(os.getpid(), signal.SIGINT)  # the second: ignored
+                os.kill(os.getpid(), signal.SIGTERM)
+                signal.sigtimedwait([], 0.001)
+            except KeyboardInterrupt:
+                pytest.fail(f"a second signal after {first.name} raised KeyboardInterrupt again")
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            interrupt_on_sigterm()
+    finally:
+        signal.signal(signal.SIGINT, saved[0])
+        signal.signal(signal.SIGTERM, saved[1])
