@@ -59,9 +59,7 @@ from launch.serve_health import (
     build_health,
     proxy_answers,
 )
-from launch.serve_http import (  # noqa: F401  (re-exported: tests and callers import them from here)
-    MAX_BODY_BYTES,
-    MAX_TURNS,
+from launch.serve_http import (
     RequestError,
     ServeOptions,
     _error,

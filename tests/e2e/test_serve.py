@@ -107,7 +107,7 @@ def test_sql_runs_read_only(service):
     client, _, _ = service
     db = client.get("/v1/databases").json()["databases"][0]
     table = db["tables"][0]["name"]
-    from launch.serve_app import find_databases
+    from launch.serve_http import find_databases
 
     path = find_databases(service[2], "dev")[db["db_id"]]
     digest = hashlib.sha256(open(path, "rb").read()).hexdigest()
